@@ -1,0 +1,1 @@
+"""tailserve.router."""
