@@ -1,0 +1,110 @@
+"""One frozen dataclass per concern, validated on construction.
+
+Configs are plain values: building one never loads a model or touches a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tailserve.errors import ConfigError
+
+SCHEDULE_POLICIES = ("fcfs", "slo")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how: path / `default` / `dummy:<preset>`, dtype, device."""
+
+    model: str = "default"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: CUDA when available
+    max_model_len: int | None = None  # None: the model's own context, capped at 8192
+    served_model_name: str | None = None
+    seed: int = 0  # for dummy weights
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "--model must not be empty")
+        _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 16,
+            f"--max-model-len must be at least 16, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: block size and how much memory to preallocate for it, once."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), f"--block-size must be 8..128 (power of 2), got {self.block_size}")
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "--kv-cache-memory must be positive",
+        )
+        _require(
+            0.05 <= self.gpu_memory_utilization <= 0.99,
+            f"--gpu-memory-utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and the ordering policy of waiting requests."""
+
+    max_num_batched_tokens: int = 256  # the per-step token budget (decodes + prefill chunks)
+    max_num_seqs: int = 64
+    policy: str = "fcfs"
+    max_waiting: int = 512  # bound of the waiting queue (admission control)
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.150
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
+        _require(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
+        _require(
+            self.policy in SCHEDULE_POLICIES,
+            f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.policy!r}",
+        )
+        _require(self.max_waiting >= 1, "--max-waiting must be at least 1")
+        _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is built from."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30, "kib": 2**10}
+    units |= {"mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    s = text.strip().lower()
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    number, unit = s[:i].strip(), s[i:]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ConfigError(f"not a byte size: {text!r} (try 2GiB or 536870912)") from None
+    if unit not in units or value <= 0:
+        raise ConfigError(f"not a byte size: {text!r} (try 2GiB or 536870912)")
+    return int(value * units[unit])

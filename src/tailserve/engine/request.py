@@ -1,0 +1,149 @@
+"""Per-request state: sampling parameters, lifecycle timestamps, outputs handed to callers.
+
+A Request is owned by the engine's step loop; callers only ever see RequestOutput snapshots.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+            "max_tokens must be an integer",
+            "max_tokens",
+        )
+        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _check(_finite(self.temperature), "temperature must be a number", "temperature")
+        _check(
+            0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}", "temperature"
+        )
+        _check(_finite(self.top_p), "top_p must be a number", "top_p")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool), "top_k must be an integer", "top_k")
+        _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+            "seed must be an integer",
+            "seed",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", "stop")
+        _check(len(self.stop) <= 16, "at most 16 stop sequences", "stop")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            "stop_token_ids",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means argmax."""
+        return self.temperature == 0.0
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message, param=param)
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimings:
+    """Server-side clock (time.monotonic) marks of one request, for metrics and attribution."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finish: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        return (self.first_scheduled or self.arrival) - self.arrival
+
+    @property
+    def prefill_s(self) -> float:
+        if self.first_token is None or self.first_scheduled is None:
+            return 0.0
+        return self.first_token - self.first_scheduled
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def decode_s(self) -> float:
+        if not self.token_times:
+            return 0.0
+        return self.token_times[-1] - self.token_times[0]
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The `tailserve_timings` HTTP extension field (docs/INTERFACES.md)."""
+        return {
+            "queue_s": self.queue_s,
+            "prefill_s": self.prefill_s,
+            "ttft_s": self.ttft_s or 0.0,
+            "decode_s": self.decode_s,
+            "e2e_s": self.e2e_s or 0.0,
+            "preemptions": self.preemptions,
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": len(self.token_times),
+        }
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees after a step: the new tokens/text and, at the end, the timings."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    timings: RequestTimings | None = None
