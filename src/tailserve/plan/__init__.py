@@ -1,1 +1,4 @@
-"""tailserve.plan."""
+"""tailserve.plan: capacity arithmetic, the GPU catalog and the read-only host doctor.
+
+Imports nothing heavy (no torch, numpy, transformers); `tailserve plan` must start instantly.
+"""
