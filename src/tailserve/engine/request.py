@@ -147,3 +147,48 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     timings: RequestTimings | None = None
+
+
+@dataclass
+class Request:
+    """Mutable state of one request inside the engine (owned by the step loop)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timings: RequestTimings
+    seq_no: int  # arrival order, for FCFS and tie-breaks
+    token_ids: list[int] = field(default_factory=list)  # prompt + output so far
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: Any = None  # torch.Generator for seeded sampling
+    detokenizer: Any = None
+    text: str = ""  # decoded output so far (stop strings already cut)
+    emitted_chars: int = 0  # how much of `text` callers have been given
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.timings.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def deadline(self) -> float:
+        """Set by the SLO policy; FCFS orders by seq_no."""
+        return self.timings.arrival

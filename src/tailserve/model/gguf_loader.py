@@ -1,0 +1,211 @@
+"""GGUF files: parsed once with the `gguf` package, dequantized to the target dtype, renamed to HF names.
+
+The tokenizer and chat template come from the file's own metadata; llama.cpp's Q/K row permutation
+(done at conversion for rotary embeddings) is undone so the weights match Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tailserve.errors import ModelLoadError, UnsupportedModelError
+from tailserve.model.arch import ArchConfig
+from tailserve.model.tokenizer import Tokenizer
+
+_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+# llama.cpp's pre-tokenizer names -> split regexes (byte-level BPE). Digits-first for SmolLM.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Parse the file once; return name, shapes, HF-named weights and the tokenizer."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    meta = _metadata(reader)
+    arch = _arch_from_metadata(meta, path)
+    weights = _weights(reader, arch, dtype)
+    if "lm_head.weight" not in weights and not arch.tie_word_embeddings:
+        arch = ArchConfig(**{**arch.__dict__, "tie_word_embeddings": True})
+    from tailserve.model.loader import _check_weights
+
+    _check_weights(arch, weights, str(path))
+    tokenizer = _tokenizer(meta, path, arch)
+    name = path.name.removesuffix(".gguf").split(".")[0]
+    return name, arch, weights, tokenizer
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # an exotic field type we don't need
+            continue
+    return meta
+
+
+def _arch_from_metadata(meta: dict[str, Any], path: Path) -> ArchConfig:
+    gguf_arch = meta.get("general.architecture")
+    family = _GGUF_FAMILIES.get(str(gguf_arch))
+    if family is None:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {gguf_arch!r} is not supported (tailserve serves llama and qwen2)"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{gguf_arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    scaling = None
+    if get("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: rope scaling {get('rope.scaling.type')!r} in GGUF is not supported")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    return ArchConfig(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        intermediate_size=int(get("feed_forward_length")),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings=False,
+        qkv_bias=family == "qwen2",
+        max_position_embeddings=int(get("context_length", 4096)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def _weights(reader: Any, arch: ArchConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    import gguf
+
+    weights: dict[str, torch.Tensor] = {}
+    layer_re = re.compile(r"blk\.(\d+)\.(.+)")
+    for t in reader.tensors:
+        m = layer_re.fullmatch(t.name)
+        if m and m.group(2) in _LAYER_NAMES:
+            hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        elif t.name in _GLOBAL_NAMES:
+            hf_name = _GLOBAL_NAMES[t.name]
+        else:
+            continue  # e.g. rope_freqs: derived from the config instead
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(f"GGUF tensor {t.name}: quantization {t.tensor_type.name} unsupported") from exc
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        if arch.family == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = arch.num_heads if "q_proj" in hf_name else arch.num_kv_heads
+            tensor = _unpermute_rotary_rows(tensor, heads)
+        weights[hf_name] = tensor.to(dtype)
+    return weights
+
+
+def _unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of each head's rows (pairs -> halves), back to HF's rotate-half layout."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _tokenizer(meta: dict[str, Any], path: Path, arch: ArchConfig) -> Tokenizer:
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        return _tokenizer_via_transformers(path, arch)
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
+    split = _QWEN2_SPLIT if pre.startswith("qwen") else _GPT2_SPLIT
+    steps: list[Any] = []
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    steps += [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    special = [tokens[i] for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_CONTROL]
+    user = [tokens[i] for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
+
+    def tok(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=tok("bos"), eos_token=tok("eos"), unk_token=tok("unknown"), pad_token=tok("padding")
+    )
+    hf.add_special_tokens({"additional_special_tokens": special})  # type: ignore[dict-item]
+    if user:
+        hf.add_tokens(user)
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        hf.chat_template = str(template)
+    eos = set(arch.eos_token_ids)
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        if name in vocab and token_types[vocab[name]] == _TOKEN_TYPE_CONTROL and template and name in str(template):
+            eos.add(vocab[name])
+    return Tokenizer(hf, sorted(eos), path.name)
+
+
+def _tokenizer_via_transformers(path: Path, arch: ArchConfig) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {exc}") from exc
+    eos = set(arch.eos_token_ids)
+    if hf.eos_token_id is not None:
+        eos.add(int(hf.eos_token_id))
+    return Tokenizer(hf, sorted(eos), path.name)

@@ -1,0 +1,157 @@
+"""ModelRunner: owns the model, the preallocated KV pool and the attention backend; runs one step.
+
+It turns a list of sequence chunks into a flattened batch plus attention metadata, runs the
+forward pass and samples. It knows nothing of requests, queues or stopping rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tailserve.model.arch import ArchConfig
+from tailserve.model.attention import AttentionBackend, AttentionMetadata, PrefillSpan, TorchPagedAttention
+from tailserve.model.sampler import SamplingSpec, sample
+from tailserve.model.transformer import TransformerLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqChunk:
+    """New tokens of one sequence to run this step, at positions start_pos.., with its block table."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool  # the chunk ends at the sequence's last known token: sample the next one
+    sampling: SamplingSpec
+
+
+def kv_bytes_per_token(arch: ArchConfig, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    return arch.kv_bytes_per_token_per_element * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Runs steps of the transformer over a paged KV cache allocated once at construction."""
+
+    def __init__(
+        self,
+        model: TransformerLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        arch = model.arch
+        self.model = model
+        self.arch = arch
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend: AttentionBackend = backend or TorchPagedAttention()
+        dtype = model.embed.dtype
+        # One allocation for the whole pool; per-layer K/V are views. Nothing is allocated per request.
+        shape = (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(arch.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
+        """Run one step; return the sampled token per chunk (None where the chunk samples nothing)."""
+        if not chunks:
+            return []
+        order = sorted(range(len(chunks)), key=lambda i: not _is_decode(chunks[i]))
+        ordered = [chunks[i] for i in order]
+        input_ids, positions, meta, logits_rows = self._prepare(ordered)
+        logits_indices = torch.tensor([row for row, _ in logits_rows], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, logits_indices)
+        tokens = sample(logits, [ordered[j].sampling for _, j in logits_rows]) if logits_rows else []
+        by_ordered: dict[int, int] = {j: tok for (_, j), tok in zip(logits_rows, tokens, strict=True)}
+        result: list[int | None] = [None] * len(chunks)
+        for j, i in enumerate(order):
+            result[i] = by_ordered.get(j)
+        return result
+
+    @torch.inference_mode()
+    def logits_for(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Teacher-forced logits of every new token of every chunk (for tests), KV written as in execute."""
+        order = sorted(range(len(chunks)), key=lambda i: not _is_decode(chunks[i]))
+        ordered = [chunks[i] for i in order]
+        input_ids, positions, meta, _ = self._prepare(ordered)
+        rows = torch.arange(input_ids.shape[0], device=self.device)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
+        # Back to the caller's chunk order.
+        starts, pos = [], 0
+        for c in ordered:
+            starts.append(pos)
+            pos += len(c.token_ids)
+        pieces: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
+        for j, i in enumerate(order):
+            pieces[i] = logits[starts[j] : starts[j] + len(ordered[j].token_ids)]
+        return torch.cat(pieces)
+
+    def _prepare(
+        self, chunks: list[SeqChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        logits_rows: list[tuple[int, int]] = []
+        num_decodes = 0
+        dev = self.device
+        max_blocks = max(len(c.block_table) for c in chunks)
+        for j, c in enumerate(chunks):
+            n = len(c.token_ids)
+            q_start = len(ids)
+            ids.extend(c.token_ids)
+            positions = range(c.start_pos, c.start_pos + n)
+            pos.extend(positions)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+            ctx_len = c.start_pos + n
+            if _is_decode(c):
+                num_decodes += 1
+            elif c.start_pos == 0:
+                prefills.append(PrefillSpan(q_start, n, ctx_len, None, None))
+            else:
+                ctx = torch.arange(ctx_len)
+                ctx_slots = torch.tensor(table, dtype=torch.long)[ctx // bs] * bs + ctx % bs
+                q_abs = torch.arange(c.start_pos, ctx_len)
+                mask = ctx[None, :] <= q_abs[:, None]
+                prefills.append(PrefillSpan(q_start, n, ctx_len, ctx_slots.to(dev), mask.to(dev)))
+            if c.sample:
+                logits_rows.append((q_start + n - 1, j))
+        tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.long)
+        seq_lens = torch.tensor([c.start_pos + len(c.token_ids) for c in chunks], dtype=torch.long)
+        dec_lens = seq_lens[:num_decodes]
+        dec_blocks = (int(dec_lens.max()) + bs - 1) // bs if num_decodes else 0
+        dec_tables = tables[:num_decodes, :dec_blocks]
+        key_mask = (torch.arange(dec_blocks * bs)[None, :] < dec_lens[:, None])[:, None, None, :]
+        qsl = [0]
+        for c in chunks:
+            qsl.append(qsl[-1] + len(c.token_ids))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=num_decodes,
+            decode_block_tables=dec_tables.to(dev),
+            decode_context_lens=dec_lens.to(dev),
+            decode_key_mask=key_mask.to(dev),
+            prefills=prefills,
+            block_size=bs,
+            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+            seq_lens=seq_lens.to(dev),
+            block_tables=tables.to(dev),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions_t, meta, logits_rows
+
+
+def _is_decode(c: SeqChunk) -> bool:
+    return len(c.token_ids) == 1 and c.start_pos > 0
