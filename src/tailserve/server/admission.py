@@ -1,0 +1,103 @@
+"""Admission control: who gets in (ready, not draining, queue bound, predicted TTFT) and who is in flight.
+
+Refuses early (503, or 429 with a Retry-After) instead of queueing work that would miss its SLO;
+it never queues or touches engine state itself, it only counts tickets and reads engine estimates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from tailserve.errors import RequestRejectedError
+from tailserve.server.config import ServerConfig
+from tailserve.server.engine_api import Engine
+from tailserve.server.errors import ServiceUnavailableError
+
+
+class Ticket:
+    """One admitted request: counted as not-yet-started until its first token, in flight until done."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._started = False
+        self._done = False
+
+    def started(self) -> None:
+        """The first output arrived: the request left the queue."""
+        if not self._started:
+            self._started = True
+            self._admission.not_started -= 1
+
+    def done(self) -> None:
+        """The response is complete (or abandoned); idempotent."""
+        if self._done:
+            return
+        self.started()
+        self._done = True
+        self._admission.release()
+
+
+class Admission:
+    """Readiness, draining and the admission decision for one server (event-loop thread only)."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self._engine = engine
+        self._config = config
+        self.ready = False
+        self.draining = False
+        self.in_flight = 0
+        self.not_started = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def serving(self) -> bool:
+        """Ready and not draining: what /ready and `tailserve_ready` report."""
+        return self.ready and not self.draining
+
+    def check_available(self) -> None:
+        """503 before warm-up has finished and from the moment draining starts."""
+        if self.draining:
+            raise ServiceUnavailableError("draining")
+        if not self.ready:
+            raise ServiceUnavailableError("not_ready")
+
+    def admit(self, num_prompt_tokens: int) -> Ticket:
+        """A ticket, or RequestRejectedError (429) when the queue is full or the TTFT SLO would break."""
+        self.check_available()
+        wait_s = self._engine.estimate_wait_s(num_prompt_tokens)
+        # The engine counts its own queue; our count also covers requests handed over but not yet seen
+        # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.
+        queued = max(self._engine.stats().num_waiting, self.not_started - self._config.max_num_seqs)
+        if queued >= self._config.max_waiting:
+            message = (
+                f"Server overloaded: {queued} requests are already waiting (limit {self._config.max_waiting})"
+            )
+            raise RequestRejectedError(message, retry_after_s=max(1.0, wait_s), reason="queue_full")
+        if wait_s > self._config.slo_ttft_s:
+            message = (
+                f"Server overloaded: predicted queue wait {wait_s:.2f}s exceeds the "
+                f"time-to-first-token target of {self._config.slo_ttft_s:.2f}s"
+            )
+            raise RequestRejectedError(message, retry_after_s=wait_s - self._config.slo_ttft_s, reason="slo")
+        self.in_flight += 1
+        self.not_started += 1
+        self._idle.clear()
+        return Ticket(self)
+
+    def release(self) -> None:
+        """Called by Ticket.done()."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def begin_drain(self) -> None:
+        """Stop admitting: every new request gets 503 from now on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when every admitted request finished within timeout_s."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return self.in_flight == 0

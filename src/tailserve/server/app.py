@@ -1,0 +1,159 @@
+"""The FastAPI app: routes, lifespan (engine start, warm-up, shutdown), middleware, error mapping.
+
+`create_app(engine, config)` builds everything from its arguments and keeps no global state, so two
+apps can live in one process; request handling itself lives in serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tailserve.engine.request import SamplingParams
+from tailserve.errors import RequestRejectedError, TailserveError
+from tailserve.server.admission import Admission
+from tailserve.server.config import ServerConfig
+from tailserve.server.engine_api import Engine
+from tailserve.server.errors import (
+    HTTPError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+    route_error,
+    to_http,
+)
+from tailserve.server.metrics import ServerMetrics
+from tailserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ErrorCountMiddleware
+from tailserve.server.serving import Serving
+
+log = logging.getLogger("tailserve.server")
+WARMUP_PROMPT = "Hello! Say something short."
+
+
+@dataclass
+class ServerState:
+    """Everything one app owns; reachable as `app.state.tailserve` (the runner drains through it)."""
+
+    engine: Engine
+    config: ServerConfig
+    admission: Admission
+    metrics: ServerMetrics
+    started_at: int
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """A ready-to-serve ASGI app around an engine that is constructed but not yet started."""
+    admission = Admission(engine, config)
+    metrics = ServerMetrics(engine.stats, lambda: admission.serving)
+    state = ServerState(engine, config, admission, metrics, int(time.time()))
+    serving = Serving(engine, admission, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        warmup = asyncio.create_task(_warm_up(state))
+        try:
+            yield
+        finally:
+            admission.begin_drain()
+            warmup.cancel()
+            await asyncio.gather(warmup, return_exceptions=True)
+            await engine.shutdown()
+
+    app = FastAPI(title="tailserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tailserve = state
+
+    def error_response(exc: BaseException) -> Response:
+        if isinstance(exc, RequestRejectedError | ServiceUnavailableError):
+            metrics.rejected.labels(reason=exc.reason).inc()
+        return _json_error(to_http(exc))
+
+    async def on_tailserve_error(_: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    async def on_http_exception(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return _json_error(route_error(exc.status_code, str(exc.detail)))
+
+    app.add_exception_handler(TailserveError, on_tailserve_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(Exception, on_tailserve_error)
+    # add_middleware wraps outward: the last added runs first.
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(ErrorCountMiddleware, errors=metrics.errors)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.handle("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.handle("chat", request)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        if model_id != engine.model_name:
+            raise ModelNotFoundError(model_id, engine.model_name)
+        return JSONResponse(_model_card(state))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if admission.serving:
+            return JSONResponse({"status": "ready"})
+        status = "draining" if admission.draining else "not_ready"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _json_error(error: HTTPError) -> Response:
+    return JSONResponse(error.body, status_code=error.status, headers=error.headers)
+
+
+def _model_card(state: ServerState) -> dict[str, object]:
+    return {
+        "id": state.engine.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "tailserve",
+        "max_model_len": state.engine.max_model_len,
+    }
+
+
+async def _warm_up(state: ServerState) -> None:
+    """One short generation through the whole stack before /ready turns 200; kept out of the metrics."""
+    engine = state.engine
+    try:
+        if state.config.warmup:
+            ids = engine.tokenizer.encode(WARMUP_PROMPT)
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", ids, params):
+                pass
+        state.metrics.exclude_warmup()
+        state.admission.ready = True
+        log.info("model %s warmed up; ready", engine.model_name)
+    except Exception:
+        log.exception("warm-up failed; /ready stays 503")

@@ -1,0 +1,130 @@
+"""`tailserve serve`: flags -> EngineConfig + ServerConfig, then the engine under uvicorn.
+
+Imports nothing heavy at module level (no fastapi, uvicorn, torch or engine): those load inside the
+handler, so `tailserve --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
+from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.server.config import LOG_LEVELS, ServerConfig
+
+
+def register(subparsers: Any) -> None:
+    """Add `serve` to the `tailserve` argument tree."""
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", description=__doc__.splitlines()[0]
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="default", help="HF dir, .gguf file, 'default' or 'dummy:<preset>'")
+    m.add_argument("--served-model-name", default=None, help="name in /v1/models and the 'model' field")
+    m.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    m.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    m.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)"
+    )
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1 GiB on CPU)")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    s = p.add_argument_group("scheduler and admission")
+    s.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--schedule-policy", choices=("fcfs", "slo"), default="fcfs")
+    s.add_argument("--max-waiting", type=int, default=512, help="waiting-queue bound; beyond it 429")
+    s.add_argument(
+        "--slo-ttft", type=float, default=2.0, help="TTFT target, seconds; predicted misses get 429"
+    )
+    s.add_argument("--slo-tpot", type=float, default=0.150, help="TPOT target, seconds per token")
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument(
+        "--api-key", default=os.environ.get("TAILSERVE_API_KEY"), help="Bearer token (env TAILSERVE_API_KEY)"
+    )
+    h.add_argument("--max-body-bytes", default="4MiB", help="request body limit, e.g. 4MiB (413 beyond)")
+    h.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+    )
+    h.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    h.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before /ready")
+    h.add_argument("--replicas", type=int, default=1, help="run N engine replicas behind the router")
+    p.set_defaults(func=serve)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from parsed flags; ConfigError names the flag to fix."""
+    engine = EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            served_model_name=args.served_model_name,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            policy=args.schedule_policy,
+            max_waiting=args.max_waiting,
+            slo_ttft_s=args.slo_ttft,
+            slo_tpot_s=args.slo_tpot,
+        ),
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        max_body_bytes=parse_bytes(args.max_body_bytes),
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+        max_waiting=args.max_waiting,
+        max_num_seqs=args.max_num_seqs,
+        slo_ttft_s=args.slo_ttft,
+        warmup=not args.no_warmup,
+    )
+    return engine, server
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Handler of `tailserve serve`: 0 after a clean drain, 1 if the model fails to load, 2 on bad flags."""
+    if args.replicas > 1:
+        from tailserve.router.launcher import run_replicas
+
+        return int(run_replicas(args))
+    if args.replicas < 1:
+        print("tailserve serve: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        engine_config, server_config = configs_from_args(args)
+    except ConfigError as exc:
+        print(f"tailserve serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    from tailserve.engine import AsyncEngine
+    from tailserve.server.app import create_app
+    from tailserve.server.runner import run_server
+
+    try:
+        engine = AsyncEngine(engine_config)
+    except ModelLoadError as exc:
+        print(f"tailserve serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        return 1
+    return run_server(create_app(engine, server_config), server_config)

@@ -1,0 +1,44 @@
+"""ServerConfig: the HTTP-side settings of `tailserve serve` (bind address, auth, limits, drain).
+
+A plain frozen value validated on construction; building one never opens a socket or loads a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailserve.errors import ConfigError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Bind address, API key, body limit, drain timeout and the admission bounds the server enforces."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    max_waiting: int = 512  # requests queued but not yet started, beyond which we answer 429
+    max_num_seqs: int = 64  # the engine's running slots: bounds requests that may be prefilling at once
+    slo_ttft_s: float = 2.0  # reject with 429 when the predicted queue wait alone would break it
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must not be negative, got {self.drain_timeout_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_waiting < 1 or self.max_num_seqs < 1:
+            raise ConfigError("--max-waiting and --max-num-seqs must be at least 1")
+        if self.slo_ttft_s <= 0:
+            raise ConfigError(f"--slo-ttft must be positive, got {self.slo_ttft_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key must not be empty")

@@ -1,0 +1,240 @@
+"""OpenAI request bodies (pydantic, strict) and their translation into engine input.
+
+Turns a raw body into (prompt token ids, SamplingParams) or a typed error naming the field; it never
+silently ignores a parameter it does not implement and never touches engine state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tailserve.engine.request import SamplingParams
+from tailserve.errors import ContextLengthExceededError, InvalidRequestError
+from tailserve.server.engine_api import Tokenizer
+from tailserve.server.errors import InvalidJSONError, UnsupportedParameterError
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+M = TypeVar("M", bound=_Body)
+
+
+class StreamOptions(_Body):
+    """`stream_options`: only `include_usage` exists."""
+
+    include_usage: bool = False
+
+
+class _CommonRequest(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False  # extension
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # end-user id, accepted and unused (it changes no output)
+
+
+class CompletionRequest(_CommonRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Body):
+    """One chat message; content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """What the engine is asked to do for one HTTP request."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """Raw body -> JSON object; invalid UTF-8, invalid JSON or a non-object -> InvalidJSONError."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJSONError(f"Request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidJSONError(f"Request body is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(data, dict):
+        raise InvalidJSONError("Request body must be a JSON object")
+    return data
+
+
+def validate_body(model: type[M], data: dict[str, Any]) -> M:
+    """Strict pydantic validation; the first problem becomes an InvalidRequestError naming its field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param_name(first["loc"])
+        if first["type"] == "missing":
+            raise InvalidRequestError(f"Missing required parameter '{param}'", param) from None
+        if first["type"] == "extra_forbidden":
+            raise InvalidRequestError(f"Unrecognized request argument supplied: '{param}'", param) from None
+        raise InvalidRequestError(f"Invalid value for '{param}': {first['msg']}", param) from None
+
+
+def _param_name(loc: tuple[int | str, ...]) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union member tags dropped)."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            name += f".{part}" if name else part
+        else:
+            break
+    return name or "body"
+
+
+def _reject_unsupported(req: _CommonRequest) -> None:
+    """Known OpenAI parameters with non-default values we do not implement get a 400."""
+    checks: list[tuple[str, bool]] = [
+        ("n", req.n not in (None, 1)),
+        ("presence_penalty", req.presence_penalty not in (None, 0.0)),
+        ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
+        ("logit_bias", bool(req.logit_bias)),
+        ("stream_options", req.stream_options is not None and not req.stream),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            ("echo", req.echo),
+            ("logprobs", req.logprobs is not None),
+            ("best_of", req.best_of not in (None, 1)),
+            ("suffix", req.suffix is not None),
+        ]
+    if isinstance(req, ChatCompletionRequest):
+        checks += [
+            ("logprobs", bool(req.logprobs)),
+            ("top_logprobs", req.top_logprobs is not None),
+            ("tools", bool(req.tools)),
+            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+            ("functions", bool(req.functions)),
+            ("function_call", req.function_call not in (None, "none", "auto")),
+            ("response_format", req.response_format not in (None, {"type": "text"})),
+        ]
+    for param, bad in checks:
+        if bad:
+            what = "only with stream=true" if param == "stream_options" else "not supported by this server"
+            raise UnsupportedParameterError(f"Parameter '{param}' with this value is {what}", param)
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """A string or a list of token ids; a batch of more than one prompt is refused."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise UnsupportedParameterError(
+                "Batched prompts are not supported; send one prompt per request", "prompt"
+            )
+        prompt = prompt[0]
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise InvalidRequestError("'prompt' must not be empty", "prompt")
+    if any(t < 0 for t in ids):
+        raise InvalidRequestError("'prompt' token ids must be non-negative", "prompt")
+    return ids
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """Messages -> the model's chat template with the generation prompt."""
+    if not req.messages:
+        raise InvalidRequestError("'messages' must contain at least one message", "messages")
+    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
+    return tokenizer.apply_chat_template(messages)
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts: list[str] = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            param = f"messages[{index}].content"
+            raise UnsupportedParameterError(
+                "Only text content parts ({'type': 'text', 'text': ...}) are supported", param
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def sampling_params(req: _CommonRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """OpenAI sampling fields -> SamplingParams; the error's param names the field the client sent."""
+    _reject_unsupported(req)
+    max_param, max_tokens = "max_tokens", req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = 16 if isinstance(req, CompletionRequest) else max_model_len - prompt_len
+        if max_tokens < 1:
+            message = f"The prompt has {prompt_len} tokens; the context holds {max_model_len}"
+            raise ContextLengthExceededError(
+                message, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            )
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            seed=req.seed,
+            stop=stop,
+            ignore_eos=req.ignore_eos,
+        )
+    except InvalidRequestError as exc:
+        if exc.param == "max_tokens":
+            exc.param = max_param
+            exc.message = exc.message.replace("max_tokens", max_param)
+        raise

@@ -1,0 +1,110 @@
+"""OpenAI response bodies and stream chunks, built from engine RequestOutputs.
+
+Pure functions from (job, output) to JSON-ready dicts: no I/O, no engine calls, no hidden state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tailserve.engine.request import RequestOutput
+
+Kind = Literal["completion", "chat"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request as the response builders see it."""
+
+    request_id: str
+    kind: Kind
+    model: str
+    created: int
+    include_usage: bool
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI `usage`, with `prompt_tokens_details.cached_tokens` from the prefix cache."""
+    completion = len(out.token_ids)
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": out.num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def timings(out: RequestOutput) -> dict[str, float | int]:
+    """The `tailserve_timings` extension field (docs/INTERFACES.md); zeros if the engine gave none."""
+    if out.timings is not None:
+        return out.timings.as_dict()
+    keys = ("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s")
+    empty: dict[str, float | int] = dict.fromkeys(keys, 0.0)
+    return empty | {
+        "preemptions": 0,
+        "cached_tokens": out.num_cached_tokens,
+        "prompt_tokens": out.num_prompt_tokens,
+        "output_tokens": len(out.token_ids),
+    }
+
+
+def full_response(job: Job, out: RequestOutput) -> dict[str, Any]:
+    """The non-streamed body of /v1/completions or /v1/chat/completions."""
+    if job.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": out.text, "logprobs": None}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None}
+    choice["finish_reason"] = out.finish_reason
+    return {
+        "id": job.request_id,
+        "object": "text_completion" if job.kind == "completion" else "chat.completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": [choice],
+        "usage": usage(out),
+        "tailserve_timings": timings(out),
+    }
+
+
+def _chunk(job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": job.request_id,
+        "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+    if job.include_usage:
+        body["usage"] = None  # OpenAI sends null on every chunk but the last when include_usage is set
+    return body
+
+
+def role_chunk(job: Job) -> dict[str, Any]:
+    """The first chat chunk: the assistant role with empty content."""
+    choice = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    return _chunk(job, [choice])
+
+
+def text_chunk(job: Job, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A chunk carrying new text and, on the last one, the finish reason."""
+    if job.kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        delta = {"content": text} if text or finish_reason is None else {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _chunk(job, [choice])
+
+
+def final_chunks(job: Job, out: RequestOutput) -> list[dict[str, Any]]:
+    """The finish-reason chunk, then the usage chunk when asked; the last one carries the timings."""
+    chunks = [text_chunk(job, out.new_text, out.finish_reason)]
+    if job.include_usage:
+        chunks.append(_chunk(job, []) | {"usage": usage(out)})
+    chunks[-1]["tailserve_timings"] = timings(out)
+    return chunks
