@@ -1,0 +1,319 @@
+"""The `bench` actions behind the CLI: turn arguments into settings, run, save, print, pick an exit code.
+
+Imported only when a bench command runs (it pulls in numpy and httpx). Errors raised on purpose
+are `BenchError`s; `handle` maps each to its message and exit code in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tailserve.bench.arrivals import OPEN_LOOP_KINDS, ArrivalSpec, schedule_offsets
+from tailserve.bench.capacity import (
+    CapacityPoint,
+    CapacitySearch,
+    capacity_section,
+    find_capacity,
+    point_from_result,
+)
+from tailserve.bench.client import TargetConfig
+from tailserve.bench.corpus import PromptSource
+from tailserve.bench.errors import BenchConfigError, BenchError
+from tailserve.bench.html_report import render_html
+from tailserve.bench.lengths import parse_length_dist
+from tailserve.bench.records import RequestRecord
+from tailserve.bench.result import (
+    BenchSettings,
+    build_result,
+    exit_code,
+    load_result,
+    write_json,
+    write_jsonl,
+)
+from tailserve.bench.runner import RunControl, Runner
+from tailserve.bench.stats import SloTargets
+from tailserve.bench.summary import format_capacity, format_compare, format_summary
+from tailserve.bench.tokenizers import PromptTokenizer, load_tokenizer
+from tailserve.bench.trace import load_trace
+from tailserve.bench.workload import (
+    PRESETS,
+    WorkloadGenerator,
+    WorkloadSpec,
+    build_conversations,
+    conversations_from_trace,
+)
+
+EXIT_SLO_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Entry point of `tailserve bench`: dispatch the action, map errors to messages and exit codes."""
+    action = args.action or "run"
+    try:
+        if action == "compare":
+            return cmd_compare(args)
+        if args.files:
+            raise BenchConfigError(f"unexpected arguments {args.files} (only `compare` takes files)")
+        if action == "capacity":
+            return cmd_capacity(args)
+        return cmd_run(args)
+    except BenchError as exc:
+        print(f"tailserve bench: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("tailserve bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def target_from_args(args: argparse.Namespace) -> TargetConfig:
+    extra: dict[str, Any] = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except json.JSONDecodeError as exc:
+            raise BenchConfigError(f"--extra-body is not JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise BenchConfigError("--extra-body must be a JSON object")
+    if args.timeout <= 0:
+        raise BenchConfigError("--timeout must be > 0")
+    return TargetConfig(
+        base_url=args.base_url,
+        model=args.model,
+        endpoint=args.endpoint,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        timeout_s=args.timeout,
+        ignore_eos=not args.no_ignore_eos,
+        include_usage=not args.no_usage,
+        extra_body=extra,
+    )
+
+
+def slo_from_args(args: argparse.Namespace) -> SloTargets:
+    def opt(value: str | None, default: float | None, scale: float = 1.0) -> float | None:
+        if value is None:
+            return default
+        if value.lower() in ("off", "none"):
+            return None
+        try:
+            return float(value) * scale
+        except ValueError:
+            raise BenchConfigError(f"bad SLO value {value!r} (a number or 'off')") from None
+
+    defaults = SloTargets()
+    return SloTargets(
+        ttft_p99_s=opt(args.slo_ttft, defaults.ttft_p99_s),
+        tpot_p99_s=opt(args.slo_tpot_ms, defaults.tpot_p99_s, 0.001),
+        e2e_p99_s=opt(args.slo_e2e, defaults.e2e_p99_s),
+        max_error_rate=opt(args.slo_error_rate, defaults.max_error_rate),
+    )
+
+
+def settings_from_args(
+    args: argparse.Namespace, arrival_override: ArrivalSpec | None = None
+) -> BenchSettings:
+    """Preset values, overridden by anything given explicitly on the command line."""
+    preset = PRESETS.get(args.preset) if args.preset else None
+    if args.preset and preset is None:
+        raise BenchConfigError(f"unknown preset {args.preset!r}; use one of {sorted(PRESETS)}")
+    workload = None
+    if not args.trace:
+        workload = WorkloadSpec(
+            input_len=parse_length_dist(args.input_len or (preset.input_len if preset else "fixed:128")),
+            output_len=parse_length_dist(args.output_len or (preset.output_len if preset else "fixed:64")),
+            shared_prefix_tokens=args.shared_prefix_tokens,
+            shared_prefix_fraction=args.shared_prefix_fraction,
+            turns=args.turns,
+            think_time_s=args.think_time,
+            seed=args.seed,
+        )
+    arrival = arrival_override or _arrival_from_args(args, preset)
+    if args.requests is None and args.duration is None:
+        duration: float | None = preset.duration_s if preset else None
+        requests = None if duration is not None else 100
+    else:
+        requests, duration = args.requests, args.duration
+    if requests is not None and requests < 1:
+        raise BenchConfigError("--requests must be >= 1")
+    if duration is not None and duration <= 0:
+        raise BenchConfigError("--duration must be > 0")
+    warmup = args.warmup if args.warmup is not None else (preset.warmup_s if preset else 0.0)
+    control = RunControl(
+        num_requests=requests,
+        duration_s=duration,
+        warmup_s=warmup,
+        cooldown_s=args.cooldown,
+        max_concurrency=args.max_concurrency,
+        concurrency=arrival.concurrency,
+        progress=args.progress if args.progress is not None else sys.stderr.isatty(),
+    )
+    return BenchSettings(
+        target=target_from_args(args),
+        arrival=arrival,
+        control=control,
+        slo=slo_from_args(args),
+        workload=workload,
+        tokenizer=args.tokenizer or "approx",
+        window_s=args.window,
+        preset=args.preset,
+        trace=args.trace,
+        trace_speed=args.trace_speed,
+        label=args.label,
+        seed=args.seed,
+    )
+
+
+def _arrival_from_args(args: argparse.Namespace, preset: Any) -> ArrivalSpec:
+    if args.trace:
+        if args.trace_speed <= 0:
+            raise BenchConfigError("--trace-speed must be > 0")
+        return ArrivalSpec(kind="trace")
+    base = preset.arrival if preset else ArrivalSpec(kind="poisson", rate_per_s=1.0)
+    kind = args.arrival or ("closed" if args.concurrency and not args.rate else base.kind)
+    return ArrivalSpec(
+        kind=kind,
+        rate_per_s=args.rate if args.rate is not None else base.rate_per_s,
+        burstiness=args.burstiness,
+        ramp_to_per_s=args.ramp_to,
+        ramp_duration_s=args.ramp_duration,
+        concurrency=args.concurrency or base.concurrency,
+    )
+
+
+def make_runner(settings: BenchSettings, tokenizer: PromptTokenizer, source: PromptSource) -> Runner:
+    """Draw the schedule and the prompts (seeded) and wire up a Runner."""
+    control, arrival = settings.control, settings.arrival
+    workload_rng = np.random.default_rng([settings.seed, 1])
+    if settings.trace:
+        entries = load_trace(settings.trace, settings.trace_speed)
+        if control.num_requests is not None:
+            entries = entries[: control.num_requests]
+        if control.duration_s is not None:
+            entries = [e for e in entries if e.offset_s < control.duration_s]
+        plans = conversations_from_trace(entries, source, workload_rng)
+        return Runner(settings.target, control, tokenizer, conversations=plans)
+    assert settings.workload is not None
+    generator = WorkloadGenerator(settings.workload, source, workload_rng)
+    if arrival.kind in OPEN_LOOP_KINDS:
+        turns = settings.workload.turns
+        n_conv = None if control.num_requests is None else -(-control.num_requests // turns)
+        offsets = schedule_offsets(
+            arrival, np.random.default_rng([settings.seed, 2]), n_conv, control.duration_s
+        )
+        plans = build_conversations(generator, len(offsets) * turns, offsets)
+        rate = None if arrival.kind == "ramp" else arrival.rate_per_s
+        return Runner(
+            settings.target,
+            control,
+            tokenizer,
+            conversations=plans,
+            generator=generator,
+            target_rate_per_s=rate,
+        )
+    return Runner(settings.target, control, tokenizer, generator=generator)
+
+
+async def run_once(
+    settings: BenchSettings, tokenizer: PromptTokenizer, source: PromptSource
+) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One complete run: schedule, send, measure, build the result document."""
+    runner = make_runner(settings, tokenizer, source)
+    outcome = await runner.run()
+    return build_result(outcome, settings), outcome.records
+
+
+def output_paths(prefix: str | None, action: str) -> tuple[Path, Path, Path]:
+    base = prefix or f"bench-results/{action}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    base = base.removesuffix(".json")
+    return Path(base + ".json"), Path(base + ".jsonl"), Path(base + ".html")
+
+
+def save(
+    result: dict[str, Any], records: list[RequestRecord], prefix: str | None, action: str, html: bool
+) -> None:
+    json_path, jsonl_path, html_path = output_paths(prefix, action)
+    write_json(result, json_path)
+    write_jsonl(records, jsonl_path)
+    written = [json_path, jsonl_path]
+    if html:
+        html_path.write_text(render_html(result, records), encoding="utf-8")
+        written.append(html_path)
+    print("saved: " + "  ".join(str(p) for p in written), file=sys.stderr)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    source = PromptSource(tokenizer)
+    result, records = asyncio.run(run_once(settings, tokenizer, source))
+    print(format_summary(result))
+    save(result, records, args.out, "run", not args.no_html)
+    if result["status"] == "aborted":
+        print(f"tailserve bench: error: {result['abort_reason']}", file=sys.stderr)
+    code = exit_code(result)
+    if code == 0 and args.fail_on_slo and not result["slo"]["all_pass"]:
+        return EXIT_SLO_FAILED
+    return code
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    search = CapacitySearch(
+        start_rate=args.rate_start, max_rate=args.rate_max, growth=args.growth, tolerance=args.tolerance
+    )
+    base = settings_from_args(args, ArrivalSpec(kind="poisson", rate_per_s=search.start_rate))
+    if base.trace:
+        raise BenchConfigError("capacity drives its own Poisson arrivals; --trace cannot be used with it")
+    probe_control = replace(
+        base.control,
+        duration_s=None if args.requests else args.probe_duration,
+        warmup_s=args.warmup
+        if args.warmup is not None
+        else min(base.control.warmup_s, args.probe_duration / 4),
+    )
+    tokenizer = load_tokenizer(args.tokenizer)
+    source = PromptSource(tokenizer)
+    runs: dict[float, tuple[dict[str, Any], list[RequestRecord]]] = {}
+
+    async def probe(rate: float) -> CapacityPoint:
+        settings = replace(base, arrival=ArrivalSpec(kind="poisson", rate_per_s=rate), control=probe_control)
+        print(f"capacity: probing {rate:.3g} req/s ...", file=sys.stderr)
+        result, records = await run_once(settings, tokenizer, source)
+        runs[rate] = (result, records)
+        point = point_from_result(rate, result)
+        print(f"capacity: {rate:.3g} req/s -> {'PASS' if point.passed else 'FAIL'}", file=sys.stderr)
+        return point
+
+    best, points, note = asyncio.run(find_capacity(search, probe))
+    slo = base.slo
+    lines = {k: v for k, v in (("TTFT", slo.ttft_p99_s), ("E2E", slo.e2e_p99_s)) if v is not None}
+    shown_rate = best if best is not None else points[-1].rate_per_s
+    result, records = runs[shown_rate]
+    result = dict(result, kind="capacity", capacity=capacity_section(best, points, note, lines))
+    print(format_capacity(result["capacity"]))
+    if note:
+        print(f"note: {note}")
+    save(result, records, args.out, "capacity", not args.no_html)
+    if any(p.status == "interrupted" for p in points):
+        return EXIT_INTERRUPTED
+    if any(p.status == "aborted" for p in points):
+        return 1
+    return 0 if best is not None else EXIT_SLO_FAILED
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if len(args.files) < 2:
+        raise BenchConfigError("compare needs at least two result files")
+    docs = [load_result(path) for path in args.files]
+    names = [Path(p).stem for p in args.files]
+    print(format_compare(docs, names))
+    return 0

@@ -1,0 +1,126 @@
+"""`bench capacity`: the highest Poisson request rate whose run still meets every SLO.
+
+Ramp (multiply the rate until a run fails), then bisect between the last pass and the first fail
+until the bracket is within `tolerance`. Each probe is a full, independent run; the search itself is
+pure and takes the probe as a callback, so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tailserve.bench.errors import BenchConfigError
+
+
+@dataclass(frozen=True)
+class CapacitySearch:
+    """Search bounds: start at `start_rate`, multiply by `growth` up to `max_rate`, then bisect."""
+
+    start_rate: float = 1.0
+    max_rate: float = 256.0
+    growth: float = 2.0
+    tolerance: float = 0.05
+    max_bisections: int = 6
+
+    def __post_init__(self) -> None:
+        if not (0 < self.start_rate <= self.max_rate) or self.growth <= 1.0 or not 0 < self.tolerance < 1:
+            raise BenchConfigError(
+                "capacity search needs 0 < start <= max rate, growth > 1, 0 < tolerance < 1"
+            )
+
+
+@dataclass(frozen=True)
+class CapacityPoint:
+    """One probe run at one offered rate."""
+
+    rate_per_s: float
+    achieved_rate_per_s: float | None
+    ttft_p99_s: float | None
+    tpot_p99_s: float | None
+    e2e_p99_s: float | None
+    goodput_per_s: float | None
+    error_rate: float | None
+    passed: bool
+    client_bottleneck: bool
+    status: str
+
+
+def point_from_result(rate: float, result: dict[str, Any]) -> CapacityPoint:
+    """Read a probe's result document into a curve point."""
+    metrics = result["metrics"]
+    client = result.get("client") or {}
+    measured = result["counts"]["measured"]
+
+    def p99(key: str) -> float | None:
+        summary = metrics.get(key)
+        return summary["p99"] if summary else None
+
+    return CapacityPoint(
+        rate_per_s=rate,
+        achieved_rate_per_s=client.get("achieved_rate_per_s"),
+        ttft_p99_s=p99("ttft_s"),
+        tpot_p99_s=p99("tpot_s"),
+        e2e_p99_s=p99("e2e_s"),
+        goodput_per_s=result["slo"]["goodput_per_s"],
+        error_rate=result["counts"]["failed"] / measured if measured else None,
+        passed=bool(result["slo"]["all_pass"]) and result["status"] == "complete",
+        client_bottleneck=bool(client.get("bottleneck")),
+        status=result["status"],
+    )
+
+
+async def find_capacity(
+    search: CapacitySearch, probe: Callable[[float], Awaitable[CapacityPoint]]
+) -> tuple[float | None, list[CapacityPoint], str | None]:
+    """Return (highest passing rate or None, every probe in order, why the search stopped early or None)."""
+    points: list[CapacityPoint] = []
+    passed_at: float | None = None
+    failed_at: float | None = None
+    rate = search.start_rate
+    while True:
+        point = await probe(rate)
+        points.append(point)
+        if point.status != "complete":
+            return passed_at, points, f"probe at {rate:g} req/s {point.status}"
+        if point.client_bottleneck:
+            return (
+                passed_at,
+                points,
+                f"the client could not keep up at {rate:g} req/s; result is a lower bound",
+            )
+        if not point.passed:
+            failed_at = rate
+            break
+        passed_at = rate
+        if rate >= search.max_rate:
+            return passed_at, points, f"still passing at --max-rate {search.max_rate:g} req/s"
+        rate = min(rate * search.growth, search.max_rate)
+    lo = passed_at if passed_at is not None else 0.0
+    hi = failed_at
+    for _ in range(search.max_bisections):
+        if hi - lo <= search.tolerance * hi:
+            break
+        mid = (lo + hi) / 2
+        point = await probe(mid)
+        points.append(point)
+        if point.status != "complete":
+            return passed_at, points, f"probe at {mid:g} req/s {point.status}"
+        if point.passed and not point.client_bottleneck:
+            lo = passed_at = mid
+        else:
+            hi = mid
+    return passed_at, points, None
+
+
+def capacity_section(
+    best: float | None, points: list[CapacityPoint], note: str | None, slo_lines: dict[str, float]
+) -> dict[str, Any]:
+    """The `capacity` object of a result document."""
+    return {
+        "max_rate_per_s": best,
+        "points": [asdict(p) for p in points],
+        "stopped_early": note,
+        "slo_lines": slo_lines,
+    }

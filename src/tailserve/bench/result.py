@@ -1,0 +1,260 @@
+"""The result file (versioned JSON schema, docs/BENCH.md) and the per-request JSONL, built from a run.
+
+`build_result` is where measured requests become the numbers a user reads; everything downstream
+(terminal table, HTML report, compare, capacity) reads the result document, never the raw run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tailserve import __version__
+from tailserve.bench.arrivals import ArrivalSpec
+from tailserve.bench.client import TargetConfig
+from tailserve.bench.errors import ResultFileError
+from tailserve.bench.records import FATAL_ERROR_KINDS, RequestRecord
+from tailserve.bench.runner import RunControl, RunOutcome
+from tailserve.bench.stats import (
+    P99_OVER_MEAN_WARN,
+    SloTargets,
+    assign_phases,
+    attribute_slowest,
+    slo_verdicts,
+    summarize,
+    throughput,
+    windows,
+)
+from tailserve.bench.workload import WorkloadSpec
+
+SCHEMA = "tailserve-bench-result"
+SCHEMA_VERSION = 1
+# An output this much shorter than max_tokens means the server stopped early (EOS not ignored).
+_SHORT_OUTPUT = 0.9
+_ALERT_OVER_TARGET = 1.5
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Everything that defined a run, recorded in the result so it can be reproduced."""
+
+    target: TargetConfig
+    arrival: ArrivalSpec
+    control: RunControl
+    slo: SloTargets
+    workload: WorkloadSpec | None
+    tokenizer: str
+    window_s: float = 30.0
+    preset: str | None = None
+    trace: str | None = None
+    trace_speed: float = 1.0
+    label: str | None = None
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        workload = None
+        if self.workload is not None:
+            w = self.workload
+            workload = {
+                "input_len": w.input_len.spec(),
+                "output_len": w.output_len.spec(),
+                "shared_prefix_tokens": w.shared_prefix_tokens,
+                "shared_prefix_fraction": w.shared_prefix_fraction,
+                "turns": w.turns,
+                "think_time_s": w.think_time_s,
+            }
+        return {
+            "target": self.target.redacted(),
+            "arrival": asdict(self.arrival),
+            "run": asdict(self.control),
+            "slo": asdict(self.slo),
+            "workload": workload,
+            "tokenizer": self.tokenizer,
+            "window_s": self.window_s,
+            "preset": self.preset,
+            "trace": self.trace,
+            "trace_speed": self.trace_speed,
+            "seed": self.seed,
+        }
+
+
+def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]:
+    """Classify phases, compute every metric on the measured requests, return the result document."""
+    records = outcome.records
+    control = settings.control
+    assign_phases(records, control.warmup_s, control.cooldown_s, outcome.send_end_s)
+    measured = [r for r in records if r.phase == "measured"]
+    ok = [r for r in measured if r.ok]
+    phases = Counter(r.phase for r in records)
+    errors = Counter(r.error_kind for r in measured if r.error_kind)
+    all_errors = Counter(r.error_kind for r in records if r.error_kind and r.error_kind != "cancelled")
+    examples = {}
+    for r in records:
+        if r.error_kind and r.error_kind not in examples and r.error_message:
+            examples[r.error_kind] = r.error_message
+    verdicts = slo_verdicts(measured, settings.slo)
+    rates = throughput(measured, settings.slo)
+    attribution = attribute_slowest(measured)
+    queue = [r.server_timings["queue_s"] for r in ok if r.server_timings and "queue_s" in r.server_timings]
+    metrics = {
+        "ttft_s": summarize(v for r in ok if (v := r.ttft_s) is not None),
+        "tpot_s": summarize(v for r in ok if (v := r.tpot_s) is not None),
+        "itl_s": summarize(g for r in ok for g in r.itl_s()),
+        "e2e_s": summarize(v for r in ok if (v := r.e2e_s) is not None),
+        "queue_s": summarize(queue),
+        "client_queue_s": summarize(r.client_queue_s for r in measured if r.scheduled_s is not None),
+        "input_tokens": summarize(float(r.input_tokens) for r in ok),
+        "output_tokens": summarize(float(r.output_tokens) for r in ok),
+    }
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "kind": "run",
+        "tailserve_version": __version__,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started_at": outcome.started_at,
+        "label": settings.label or f"{outcome.model} @ {settings.target.root}",
+        "status": outcome.status,
+        "abort_reason": outcome.abort_reason,
+        "model": outcome.model,
+        "wall_s": outcome.wall_s,
+        "config": settings.to_json(),
+        "counts": {
+            "requests": len(records),
+            "measured": len(measured),
+            "ok": len(ok),
+            "failed": len(measured) - len(ok),
+            "warmup": phases.get("warmup", 0),
+            "cooldown": phases.get("cooldown", 0),
+            "cancelled": phases.get("cancelled", 0),
+        },
+        "metrics": {k: asdict(v) if v else None for k, v in metrics.items()},
+        "throughput": asdict(rates),
+        "errors": {"by_kind": dict(errors), "all_phases": dict(all_errors), "examples": examples},
+        "slo": {
+            "targets": asdict(settings.slo),
+            "verdicts": [asdict(v) for v in verdicts],
+            "all_pass": bool(verdicts) and all(v.passed for v in verdicts),
+            "goodput_per_s": rates.goodput_per_s,
+            "goodput_fraction": rates.goodput_fraction,
+        },
+        "windows": {
+            "window_s": settings.window_s,
+            "rows": [asdict(w) for w in windows(measured, settings.window_s)],
+        },
+        "attribution": asdict(attribution) if attribution else None,
+        "client": asdict(outcome.client) if outcome.client else None,
+        "output_length": _output_length(ok),
+        "capacity": None,
+    }
+    result["warnings"] = _warnings(result, records, settings)
+    return result
+
+
+def _output_length(ok: list[RequestRecord]) -> dict[str, Any]:
+    """Did the server honour max_tokens (and ignore_eos)? Where it did not, outputs come back short."""
+    if not ok:
+        return {"requested_mean": None, "received_mean": None, "short_fraction": None, "token_sources": {}}
+    short = sum(r.output_tokens < _SHORT_OUTPUT * r.requested_output_tokens for r in ok)
+    return {
+        "requested_mean": sum(r.requested_output_tokens for r in ok) / len(ok),
+        "received_mean": sum(r.output_tokens for r in ok) / len(ok),
+        "short_fraction": short / len(ok),
+        "token_sources": dict(Counter(r.output_tokens_source for r in ok)),
+    }
+
+
+def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: BenchSettings) -> list[str]:
+    out: list[str] = []
+    if result["status"] != "complete":
+        out.append(
+            f"run {result['status']}: {result['abort_reason'] or 'stopped by the user'}; results are partial"
+        )
+    if not result["counts"]["measured"]:
+        out.append("no request was measured (all in warm-up/cool-down, or none sent)")
+    client = result["client"]
+    if client and client["bottleneck"]:
+        out.append("THE CLIENT IS THE BOTTLENECK: " + "; ".join(client["reasons"]))
+    for name, summary in result["metrics"].items():
+        if (
+            name in ("ttft_s", "tpot_s", "e2e_s")
+            and summary
+            and (summary["p99_over_mean"] or 0) > P99_OVER_MEAN_WARN
+        ):
+            out.append(
+                f"{name[:-2].upper()} P99 is {summary['p99_over_mean']:.1f}x its mean (well-run: <= 1.5x)"
+            )
+    for verdict in result["slo"]["verdicts"]:
+        observed = verdict["observed"]
+        if (
+            verdict["name"] != "error_rate"
+            and observed
+            and observed > _ALERT_OVER_TARGET * verdict["threshold"]
+        ):
+            out.append(
+                f"ALERT: {verdict['name']} {observed:.3f} s is over 1.5x its target {verdict['threshold']:g} s"
+            )
+    length = result["output_length"]
+    if length["short_fraction"] and length["short_fraction"] > 0.05:
+        hint = (
+            " (ignore_eos not sent)"
+            if not settings.target.ignore_eos
+            else " (server may not support ignore_eos)"
+        )
+        out.append(f"{length['short_fraction']:.0%} of outputs came back under 90% of max_tokens{hint}")
+    if "usage" not in length["token_sources"] and length["token_sources"]:
+        out.append(
+            "the server reported no usage: token counts are local estimates " + str(length["token_sources"])
+        )
+    fatal = {k: v for k, v in result["errors"]["all_phases"].items() if k in FATAL_ERROR_KINDS}
+    if fatal:
+        out.append(f"requests failed in ways that point at the setup, not the load: {fatal}")
+    return out
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    """0 complete; 1 aborted or failed in a way that points at the setup; 130 interrupted."""
+    if result["status"] == "interrupted":
+        return 130
+    if result["status"] == "aborted":
+        return 1
+    fatal = [k for k in result["errors"]["all_phases"] if k in FATAL_ERROR_KINDS]
+    return 1 if fatal else 0
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def write_jsonl(records: list[RequestRecord], path: Path) -> None:
+    """One line per request, in send order, every phase (the `phase` field tells them apart)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in sorted(records, key=lambda r: r.sent_s):
+            f.write(json.dumps(r.to_json(), allow_nan=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[RequestRecord]:
+    return [
+        RequestRecord.from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()
+    ]
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """Read a result file and check its schema and version."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResultFileError(f"{path}: cannot read a result file ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ResultFileError(f"{path}: not a tailserve bench result (schema {SCHEMA!r} expected)")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ResultFileError(
+            f"{path}: schema version {doc.get('schema_version')} (this tool reads {SCHEMA_VERSION})"
+        )
+    return doc

@@ -1,0 +1,371 @@
+"""The load generator's event loop: sends conversations on an absolute clock or from closed-loop workers.
+
+Open loop: one dispatcher sleeps until `start + offset` of each conversation and starts it as a task
+(concurrent independent clients, never a single loop waiting on answers). Closed loop: `concurrency`
+workers send back to back. Ctrl-C or a fatal failure stops sending, cancels what is in flight and
+returns what was measured. The client's own health (CPU, loop lag, lateness) is measured alongside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import httpx
+
+from tailserve.bench.client import TargetConfig, preflight, request_body, send_request
+from tailserve.bench.errors import TargetError
+from tailserve.bench.records import FATAL_ERROR_KINDS, RequestRecord
+from tailserve.bench.stats import nearest_rank
+from tailserve.bench.tokenizers import PromptTokenizer
+from tailserve.bench.workload import ConversationPlan, WorkloadGenerator
+
+_START_LEAD_S = 0.05
+_LAG_PROBE_S = 0.05
+# Client health thresholds (docs/BENCH.md "Is the client the bottleneck?").
+RATE_SHORTFALL = 0.05
+CPU_SATURATED = 0.90
+CLIENT_QUEUE_P99_LIMIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class RunControl:
+    """How long to run and what to count. Give `num_requests`, `duration_s`, or both (first one wins)."""
+
+    num_requests: int | None = None
+    duration_s: float | None = None
+    warmup_s: float = 0.0
+    cooldown_s: float = 0.0
+    max_concurrency: int | None = None
+    concurrency: int = 1
+    progress: bool = False
+    progress_interval_s: float = 1.0
+    fatal_after: int = 5
+    handle_sigint: bool = True
+
+
+@dataclass(frozen=True)
+class ClientHealth:
+    """Whether the client kept up with the schedule; `bottleneck` says the numbers are the client's."""
+
+    target_rate_per_s: float | None
+    scheduled_rate_per_s: float | None
+    achieved_rate_per_s: float | None
+    cpu_util: float
+    loop_lag_p99_s: float | None
+    client_queue_p99_s: float | None
+    bottleneck: bool
+    reasons: list[str]
+
+
+@dataclass
+class RunOutcome:
+    """Everything a run measured, however it ended (`status`: complete | interrupted | aborted)."""
+
+    records: list[RequestRecord]
+    status: str
+    abort_reason: str | None
+    model: str
+    started_at: str
+    wall_s: float
+    client: ClientHealth | None = None
+    send_end_s: float = 0.0
+
+
+@dataclass
+class _RunState:
+    records: list[RequestRecord] = field(default_factory=list)
+    in_flight: set[asyncio.Task[None]] = field(default_factory=set)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: int = 0
+    active: int = 0
+    abort_reason: str | None = None
+    interrupted: bool = False
+    loop_lags: list[float] = field(default_factory=list)
+
+
+class Runner:
+    """One benchmark run against one target."""
+
+    def __init__(
+        self,
+        target: TargetConfig,
+        control: RunControl,
+        tokenizer: PromptTokenizer,
+        conversations: list[ConversationPlan] | None = None,
+        generator: WorkloadGenerator | None = None,
+        target_rate_per_s: float | None = None,
+        out: TextIO | None = None,
+    ) -> None:
+        if conversations is None and generator is None:
+            raise ValueError("give scheduled conversations (open loop) or a generator (closed loop)")
+        self.target = target
+        self.control = control
+        self.tokenizer = tokenizer
+        self.conversations = conversations
+        self.generator = generator
+        self.target_rate_per_s = target_rate_per_s
+        self.out = out or sys.stderr
+        self._model = target.model or ""
+        self._claimed = 0
+
+    async def run(self) -> RunOutcome:
+        """Preflight, send everything, wait, and return the outcome (never raises for request failures)."""
+        started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        try:
+            self._model = await preflight(self.target)
+        except TargetError as exc:
+            return RunOutcome([], "aborted", str(exc), self.target.model or "", started_at, 0.0)
+        state = _RunState()
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        timeout = httpx.Timeout(self.target.timeout_s, connect=min(10.0, self.target.timeout_s))
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
+        run_start = wall_start + _START_LEAD_S
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+            with self._sigint(state):
+                helpers = [asyncio.create_task(self._probe_loop_lag(state))]
+                if self.control.progress:
+                    helpers.append(asyncio.create_task(self._progress(state, run_start)))
+                try:
+                    await self._send_all(http, state, run_start)
+                finally:
+                    for task in helpers:
+                        task.cancel()
+                    await asyncio.gather(*helpers, return_exceptions=True)
+        wall_s = time.perf_counter() - wall_start
+        cpu_util = (time.process_time() - cpu_start) / max(wall_s, 1e-9)
+        if self.control.progress:
+            self.out.write("\n")
+        status = "aborted" if state.abort_reason else "interrupted" if state.interrupted else "complete"
+        outcome = RunOutcome(state.records, status, state.abort_reason, self._model, started_at, wall_s)
+        outcome.send_end_s = self._send_end(state)
+        outcome.client = self._client_health(state, cpu_util)
+        return outcome
+
+    async def _send_all(self, http: httpx.AsyncClient, state: _RunState, run_start: float) -> None:
+        if self.conversations is not None:
+            await self._dispatch_open_loop(http, state, run_start, self.conversations)
+        else:
+            workers = [
+                asyncio.create_task(self._closed_loop_worker(http, state, run_start))
+                for _ in range(self.control.concurrency)
+            ]
+            await self._wait_or_stop(state, workers)
+            return
+        await self._wait_or_stop(state, list(state.in_flight))
+
+    async def _wait_or_stop(self, state: _RunState, tasks: list[asyncio.Task[None]]) -> None:
+        """Wait for `tasks`; on a stop (Ctrl-C, fatal abort) cancel everything still running."""
+        if not tasks:
+            return
+        stopper: asyncio.Task[Any] = asyncio.create_task(state.stop.wait())
+        pending: set[asyncio.Task[Any]] = set(tasks)
+        while pending and not state.stop.is_set():
+            _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(stopper)
+            pending |= {t for t in state.in_flight if not t.done()}
+        stopper.cancel()
+        to_cancel = pending | {t for t in state.in_flight if not t.done()}
+        for task in to_cancel:
+            task.cancel()
+        await asyncio.gather(*to_cancel, stopper, return_exceptions=True)
+
+    async def _dispatch_open_loop(
+        self, http: httpx.AsyncClient, state: _RunState, run_start: float, plans: list[ConversationPlan]
+    ) -> None:
+        """Start each conversation at run_start + offset; never sleep relative to the previous send."""
+        limit = asyncio.Semaphore(self.control.max_concurrency) if self.control.max_concurrency else None
+        for plan in plans:
+            due = run_start + (plan.offset_s or 0.0)
+            delay = due - time.perf_counter()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(state.stop.wait(), timeout=delay)
+            if state.stop.is_set():
+                return
+            if limit is not None:
+                await limit.acquire()
+            task = asyncio.create_task(self._conversation(http, state, run_start, plan, limit))
+            state.in_flight.add(task)
+            task.add_done_callback(state.in_flight.discard)
+
+    async def _closed_loop_worker(self, http: httpx.AsyncClient, state: _RunState, run_start: float) -> None:
+        assert self.generator is not None
+        deadline = run_start + self.control.duration_s if self.control.duration_s is not None else math.inf
+        await asyncio.sleep(max(0.0, run_start - time.perf_counter()))
+        while not state.stop.is_set() and time.perf_counter() < deadline:
+            if self.control.num_requests is not None and self._claimed >= self.control.num_requests:
+                return
+            plan = self.generator.conversation(None)
+            self._claimed += len(plan.turns)
+            await self._conversation(http, state, run_start, plan, None)
+
+    async def _conversation(
+        self,
+        http: httpx.AsyncClient,
+        state: _RunState,
+        run_start: float,
+        plan: ConversationPlan,
+        limit: asyncio.Semaphore | None,
+    ) -> None:
+        """Send the turns in order; later turns carry the earlier exchange as history."""
+        history: list[dict[str, str]] = []
+        try:
+            for turn in plan.turns:
+                if turn.turn > 0 and self.generator is not None and self.generator.spec.think_time_s:
+                    await asyncio.sleep(self.generator.spec.think_time_s)
+                record = RequestRecord(
+                    index=turn.index,
+                    conversation=turn.conversation,
+                    turn=turn.turn,
+                    requested_output_tokens=turn.output_tokens,
+                    planned_input_tokens=turn.input_tokens,
+                    scheduled_s=plan.offset_s if turn.turn == 0 else None,
+                    shared_prefix=turn.system_prefix is not None,
+                )
+                state.records.append(record)
+                body = request_body(self.target, self._model, turn, history)
+                state.active += 1
+                try:
+                    await send_request(http, self.target, body, record, self.tokenizer, run_start)
+                except asyncio.CancelledError:
+                    record.phase, record.error_kind = "cancelled", "cancelled"
+                    record.error_message = "run stopped before the request finished"
+                    raise
+                finally:
+                    state.active -= 1
+                self._on_finished(state, record)
+                if not record.ok:
+                    return
+                history += [{"role": "user", "content": turn.prompt}]
+                history += [{"role": "assistant", "content": record.output_text}]
+        finally:
+            if limit is not None:
+                limit.release()
+
+    def _on_finished(self, state: _RunState, record: RequestRecord) -> None:
+        """Count the request; stop the run if the first few all failed in a way that will not heal."""
+        state.finished += 1
+        n = self.control.fatal_after
+        if state.finished != n or state.abort_reason:
+            return
+        done = [r for r in state.records if r.error_kind != "cancelled" and (r.done_s is not None)]
+        kinds = Counter(r.error_kind for r in done[:n])
+        if len(done) >= n and all(r.error_kind in FATAL_ERROR_KINDS for r in done[:n]):
+            kind = kinds.most_common(1)[0][0]
+            example = next(r.error_message for r in done if r.error_kind == kind)
+            state.abort_reason = f"the first {n} requests all failed ({kind}): {example}"
+            state.stop.set()
+
+    @contextlib.contextmanager
+    def _sigint(self, state: _RunState) -> Iterator[None]:
+        """Ctrl-C stops the run cleanly (partial report); a second one is not needed."""
+        loop = asyncio.get_running_loop()
+        installed = False
+        if self.control.handle_sigint:
+
+            def on_sigint() -> None:
+                state.interrupted = True
+                state.stop.set()
+
+            try:
+                loop.add_signal_handler(signal.SIGINT, on_sigint)
+                installed = True
+            except (NotImplementedError, RuntimeError, ValueError):
+                installed = False
+        try:
+            yield
+        finally:
+            if installed:
+                loop.remove_signal_handler(signal.SIGINT)
+
+    async def _probe_loop_lag(self, state: _RunState) -> None:
+        """How late the event loop wakes up: a busy client sends late and reads chunks late."""
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(_LAG_PROBE_S)
+            state.loop_lags.append(max(0.0, time.perf_counter() - before - _LAG_PROBE_S))
+
+    async def _progress(self, state: _RunState, run_start: float) -> None:
+        """One status line, rewritten every interval, with live P99s of what finished so far."""
+        while True:
+            await asyncio.sleep(self.control.progress_interval_s)
+            line = progress_line(state.records, time.perf_counter() - run_start, state.active)
+            self.out.write("\r" + line)
+            self.out.flush()
+
+    def _send_end(self, state: _RunState) -> float:
+        """End of the sending period, from which the cool-down is counted back."""
+        if self.control.duration_s is not None and not state.interrupted and not state.abort_reason:
+            return self.control.duration_s
+        return max((r.sent_s for r in state.records), default=0.0)
+
+    def _client_health(self, state: _RunState, cpu_util: float) -> ClientHealth:
+        first_turns = [r for r in state.records if r.scheduled_s is not None and r.error_kind != "cancelled"]
+        scheduled_rate = _rate([r.scheduled_s or 0.0 for r in first_turns])
+        achieved_rate = _rate([r.sent_s for r in first_turns])
+        lags = sorted(state.loop_lags)
+        queues = sorted(r.client_queue_s for r in first_turns)
+        lag_p99 = nearest_rank(lags, 99.0) if lags else None
+        queue_p99 = nearest_rank(queues, 99.0) if queues else None
+        reasons = []
+        if (
+            scheduled_rate
+            and achieved_rate is not None
+            and achieved_rate < (1 - RATE_SHORTFALL) * scheduled_rate
+        ):
+            reasons.append(
+                f"achieved {achieved_rate:.2f} req/s, more than {RATE_SHORTFALL:.0%} short of the "
+                f"scheduled {scheduled_rate:.2f} req/s"
+            )
+        if cpu_util >= CPU_SATURATED:
+            reasons.append(f"client CPU saturated ({cpu_util:.0%} of one core)")
+        if queue_p99 is not None and queue_p99 > CLIENT_QUEUE_P99_LIMIT_S:
+            reasons.append(
+                f"requests waited on the client: p99 {queue_p99 * 1000:.0f} ms past their due time"
+            )
+        return ClientHealth(
+            self.target_rate_per_s,
+            scheduled_rate,
+            achieved_rate,
+            cpu_util,
+            lag_p99,
+            queue_p99,
+            bool(reasons),
+            reasons,
+        )
+
+
+def _rate(times: list[float]) -> float | None:
+    """Events per second between the first and the last of `times` (None for fewer than 2)."""
+    if len(times) < 2:
+        return None
+    span = max(times) - min(times)
+    return (len(times) - 1) / span if span > 0 else None
+
+
+def progress_line(records: list[RequestRecord], elapsed_s: float, in_flight: int) -> str:
+    """`[  12s] sent 120 done 110 err 0 in-flight 10 | p99 TTFT 0.231s TPOT 12.1ms E2E 1.20s`."""
+    done = [r for r in records if r.done_s is not None and r.phase != "cancelled"]
+    ok = [r for r in done if r.ok]
+
+    def p99(values: list[float | None]) -> float | None:
+        data = sorted(v for v in values if v is not None)
+        return nearest_rank(data, 99.0) if data else None
+
+    ttft, tpot, e2e = p99([r.ttft_s for r in ok]), p99([r.tpot_s for r in ok]), p99([r.e2e_s for r in ok])
+    fmt = lambda v, scale, unit: "-" if v is None else f"{v * scale:.{1 if scale > 1 else 3}f}{unit}"  # noqa: E731
+    return (
+        f"[{elapsed_s:6.0f}s] sent {len(records)} done {len(done)} err {len(done) - len(ok)} "
+        f"in-flight {in_flight} | p99 TTFT {fmt(ttft, 1, 's')} TPOT {fmt(tpot, 1000, 'ms')} "
+        f"E2E {fmt(e2e, 1, 's')}   "
+    )

@@ -1,0 +1,256 @@
+"""Metric math on raw per-request values: nearest-rank percentiles, summaries, SLOs, goodput, windows.
+
+Percentiles are nearest-rank on the raw values (the value at rank ceil(q/100 * n) of the sorted list),
+never interpolated and never computed from per-window aggregates. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from tailserve.bench.records import RequestRecord
+
+PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+# SPEC.md: a well-run service keeps P99 within 1.5x of the mean; alert when P99 > 1.5x its target.
+P99_OVER_MEAN_WARN = 1.5
+
+
+def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0 < q <= 100) of already-sorted values, nearest-rank method."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return float(sorted_values[rank - 1])
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Distribution of one metric over requests (or tokens, for ITL)."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+    min: float
+    p99_over_mean: float | None
+
+
+def summarize(values: Iterable[float]) -> Summary | None:
+    """Mean, nearest-rank percentiles, extremes; None for no values."""
+    data = sorted(values)
+    if not data:
+        return None
+    mean = math.fsum(data) / len(data)
+    p50, p90, p95, p99 = (nearest_rank(data, q) for q in PERCENTILES)
+    ratio = p99 / mean if mean > 0 else None
+    return Summary(len(data), mean, p50, p90, p95, p99, data[-1], data[0], ratio)
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """P99 ceilings (seconds) and the largest tolerated error rate; None switches one off."""
+
+    ttft_p99_s: float | None = 2.0
+    tpot_p99_s: float | None = 0.030
+    e2e_p99_s: float | None = 5.0
+    max_error_rate: float | None = 0.01
+
+    def request_meets(self, record: RequestRecord) -> bool:
+        """Goodput test for one request: it completed and each of its own latencies is within target."""
+        if not record.ok:
+            return False
+        checks: list[tuple[float | None, float | None]] = [
+            (self.ttft_p99_s, record.ttft_s),
+            (self.tpot_p99_s, record.tpot_s),
+            (self.e2e_p99_s, record.e2e_s),
+        ]
+        return all(limit is None or value is None or value <= limit for limit, value in checks)
+
+
+@dataclass(frozen=True)
+class SloVerdict:
+    """PASS/FAIL of one SLO; `observed` is None when nothing could be measured (then FAIL)."""
+
+    name: str
+    threshold: float
+    observed: float | None
+    passed: bool
+
+
+def slo_verdicts(measured: Sequence[RequestRecord], targets: SloTargets) -> list[SloVerdict]:
+    """One verdict per enabled SLO over the measured requests."""
+    ok = [r for r in measured if r.ok]
+    verdicts = []
+    latency_slos: list[tuple[str, float | None, Callable[[RequestRecord], float | None]]] = [
+        ("p99_ttft_s", targets.ttft_p99_s, lambda r: r.ttft_s),
+        ("p99_tpot_s", targets.tpot_p99_s, lambda r: r.tpot_s),
+        ("p99_e2e_s", targets.e2e_p99_s, lambda r: r.e2e_s),
+    ]
+    for name, limit, get in latency_slos:
+        if limit is None:
+            continue
+        values = sorted(v for r in ok if (v := get(r)) is not None)
+        observed = nearest_rank(values, 99.0) if values else None
+        verdicts.append(SloVerdict(name, limit, observed, observed is not None and observed <= limit))
+    if targets.max_error_rate is not None:
+        rate = error_rate(measured)
+        passed = rate is not None and rate <= targets.max_error_rate
+        verdicts.append(SloVerdict("error_rate", targets.max_error_rate, rate, passed))
+    return verdicts
+
+
+def error_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Failed / all; None for no requests."""
+    return sum(not r.ok for r in records) / len(records) if records else None
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Rates over the measured span: first measured send -> last measured request's end."""
+
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    goodput_per_s: float
+    goodput_fraction: float | None
+
+
+def throughput(measured: Sequence[RequestRecord], targets: SloTargets) -> Throughput:
+    """Request, token and goodput rates of the measured requests."""
+    if not measured:
+        return Throughput(0.0, 0.0, 0.0, 0.0, 0.0, None)
+    start = min(r.sent_s for r in measured)
+    duration = max(max(r.end_s for r in measured) - start, 1e-9)
+    ok = [r for r in measured if r.ok]
+    good = sum(targets.request_meets(r) for r in ok)
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.input_tokens for r in ok)
+    return Throughput(
+        duration_s=duration,
+        requests_per_s=len(ok) / duration,
+        output_tokens_per_s=out_tokens / duration,
+        total_tokens_per_s=(out_tokens + in_tokens) / duration,
+        goodput_per_s=good / duration,
+        goodput_fraction=good / len(measured),
+    )
+
+
+@dataclass(frozen=True)
+class WindowRow:
+    """P99s of the requests sent within one time window (seconds from the run start)."""
+
+    start_s: float
+    end_s: float
+    sent: int
+    failed: int
+    ttft_p99_s: float | None
+    tpot_p99_s: float | None
+    e2e_p99_s: float | None
+
+
+def windows(measured: Sequence[RequestRecord], window_s: float) -> list[WindowRow]:
+    """Per-window P99 of TTFT, TPOT and E2E, by send time, to show tail drift over a soak."""
+    if not measured or window_s <= 0:
+        return []
+    origin = min(r.sent_s for r in measured)
+    last = max(r.sent_s for r in measured)
+    rows = []
+    for k in range(int((last - origin) // window_s) + 1):
+        lo, hi = origin + k * window_s, origin + (k + 1) * window_s
+        inside = [r for r in measured if lo <= r.sent_s < hi]
+        ok = [r for r in inside if r.ok]
+        rows.append(
+            WindowRow(
+                lo,
+                hi,
+                len(inside),
+                len(inside) - len(ok),
+                _p99(r.ttft_s for r in ok),
+                _p99(r.tpot_s for r in ok),
+                _p99(r.e2e_s for r in ok),
+            )
+        )
+    return rows
+
+
+def _p99(values: Iterable[float | None]) -> float | None:
+    data = sorted(v for v in values if v is not None)
+    return nearest_rank(data, 99.0) if data else None
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Where the slowest requests spent their time, from the server's own per-request timings."""
+
+    slowest_count: int
+    e2e_s: float
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    preemption_s: float | None
+    preemptions_mean: float
+    preempted_fraction: float
+    outside_server_s: float
+    baseline_e2e_s: float
+    baseline_queue_s: float
+    baseline_prefill_s: float
+    baseline_decode_s: float
+
+
+def attribute_slowest(measured: Sequence[RequestRecord], fraction: float = 0.01) -> Attribution | None:
+    """Mean breakdown of the slowest `fraction` by E2E (at least one), next to all requests' means."""
+    timed = sorted((r for r in measured if r.ok and r.server_timings), key=lambda r: r.e2e_s or 0.0)
+    if not timed:
+        return None
+    slow = timed[-max(1, math.ceil(fraction * len(timed))) :]
+
+    def mean(records: Sequence[RequestRecord], key: str) -> float:
+        return math.fsum((r.server_timings or {}).get(key, 0.0) for r in records) / len(records)
+
+    has_preemption_s = all("preemption_s" in (r.server_timings or {}) for r in slow)
+    server_e2e = [
+        sum((r.server_timings or {}).get(k, 0.0) for k in ("queue_s", "prefill_s", "decode_s")) for r in slow
+    ]
+    client_e2e = [r.e2e_s or 0.0 for r in slow]
+    return Attribution(
+        slowest_count=len(slow),
+        e2e_s=math.fsum(client_e2e) / len(slow),
+        queue_s=mean(slow, "queue_s"),
+        prefill_s=mean(slow, "prefill_s"),
+        decode_s=mean(slow, "decode_s"),
+        preemption_s=mean(slow, "preemption_s") if has_preemption_s else None,
+        preemptions_mean=mean(slow, "preemptions"),
+        preempted_fraction=sum((r.server_timings or {}).get("preemptions", 0.0) > 0 for r in slow)
+        / len(slow),
+        outside_server_s=math.fsum(c - s for c, s in zip(client_e2e, server_e2e, strict=True)) / len(slow),
+        baseline_e2e_s=math.fsum(r.e2e_s or 0.0 for r in timed) / len(timed),
+        baseline_queue_s=mean(timed, "queue_s"),
+        baseline_prefill_s=mean(timed, "prefill_s"),
+        baseline_decode_s=mean(timed, "decode_s"),
+    )
+
+
+def assign_phases(
+    records: Sequence[RequestRecord], warmup_s: float, cooldown_s: float, send_end_s: float
+) -> None:
+    """Mark each request warmup / measured / cooldown by when it was *sent* (cancelled ones stay so).
+
+    Warm-up: sent before `warmup_s` from the run start. Cool-down: sent after `send_end_s - cooldown_s`.
+    Excluded requests still loaded the server; they are only left out of the statistics.
+    """
+    cooldown_from = send_end_s - cooldown_s if cooldown_s > 0 else math.inf
+    for r in records:
+        if r.phase == "cancelled" or r.error_kind == "cancelled":
+            r.phase = "cancelled"
+        elif r.sent_s < warmup_s:
+            r.phase = "warmup"
+        elif r.sent_s > cooldown_from:
+            r.phase = "cooldown"
+        else:
+            r.phase = "measured"

@@ -1,0 +1,224 @@
+"""Plain-text views of result documents: the run summary, `compare`, and the capacity curve.
+
+Reads only the result JSON (docs/BENCH.md), so a saved file prints exactly like a live run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (metric key, label, scale to display unit, unit)
+METRIC_ROWS = (
+    ("ttft_s", "TTFT", 1.0, "s"),
+    ("tpot_s", "TPOT", 1000.0, "ms"),
+    ("itl_s", "ITL", 1000.0, "ms"),
+    ("e2e_s", "E2E", 1.0, "s"),
+    ("queue_s", "queue (server)", 1.0, "s"),
+    ("client_queue_s", "client queue", 1000.0, "ms"),
+    ("input_tokens", "input tokens", 1.0, ""),
+    ("output_tokens", "output tokens", 1.0, ""),
+)
+_STATS = ("mean", "p50", "p90", "p95", "p99", "max")
+
+
+def fmt_num(value: float | None, scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    v = value * scale
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}"
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """The terminal summary of one run."""
+    cfg, counts = result["config"], result["counts"]
+    lines = [f"tailserve bench: {result['label']}  [{result['status']}]"]
+    workload = cfg.get("workload") or {}
+    if cfg.get("trace"):
+        lines.append(f"workload: trace {cfg['trace']} (speed x{cfg['trace_speed']:g})")
+    elif workload:
+        lines.append(
+            f"workload: {cfg.get('preset') or 'custom'}  input {workload['input_len']}  output {workload['output_len']}"
+            f"  arrivals {_arrival_text(cfg['arrival'])}"
+        )
+    lines.append(
+        f"requests: {counts['requests']} sent, {counts['measured']} measured "
+        f"({counts['warmup']} warm-up, {counts['cooldown']} cool-down, {counts['cancelled']} cancelled excluded), "
+        f"{counts['ok']} ok, {counts['failed']} failed"
+    )
+    lines.append("")
+    lines.append(f"{'metric':<20}" + "".join(f"{s:>10}" for s in (*_STATS, "p99/mean")))
+    for key, label, scale, unit in METRIC_ROWS:
+        summary = result["metrics"].get(key)
+        if not summary:
+            continue
+        name = f"{label} ({unit})" if unit else label
+        cells = "".join(f"{fmt_num(summary[s], scale):>10}" for s in _STATS)
+        ratio = summary.get("p99_over_mean")
+        lines.append(f"{name:<20}{cells}{(f'{ratio:.2f}x' if ratio else '-'):>10}")
+    tp, slo = result["throughput"], result["slo"]
+    lines.append("")
+    frac = slo["goodput_fraction"]
+    lines.append(
+        f"throughput: {tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} output tok/s, "
+        f"{tp['total_tokens_per_s']:.1f} total tok/s over {tp['duration_s']:.1f} s; goodput "
+        f"{slo['goodput_per_s']:.2f} req/s"
+        + (f" ({frac:.0%} of measured requests)" if frac is not None else "")
+    )
+    lines.append("SLOs: " + " | ".join(_verdict_text(v) for v in slo["verdicts"]))
+    by_kind = result["errors"]["by_kind"]
+    lines.append("errors: " + (", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())) or "none"))
+    for kind, message in sorted(result["errors"]["examples"].items()):
+        lines.append(f"  {kind}: {message}")
+    lines += _client_lines(result.get("client"))
+    lines += _attribution_lines(result.get("attribution"))
+    lines += _window_lines(result["windows"])
+    for warning in result.get("warnings", []):
+        lines.append(f"! {warning}")
+    return "\n".join(lines)
+
+
+def _arrival_text(arrival: dict[str, Any]) -> str:
+    kind = arrival["kind"]
+    if kind == "closed":
+        return f"closed loop x{arrival['concurrency']}"
+    if kind == "ramp":
+        return f"ramp {arrival['rate_per_s']:g}->{arrival['ramp_to_per_s']:g} req/s"
+    if kind == "gamma":
+        return f"gamma {arrival['rate_per_s']:g} req/s (burstiness {arrival['burstiness']:g})"
+    return f"{kind} {arrival['rate_per_s']:g} req/s"
+
+
+def _verdict_text(v: dict[str, Any]) -> str:
+    name = "P99 " + v["name"].removeprefix("p99_").removesuffix("_s").upper()
+    observed = v["observed"]
+    if v["name"] == "error_rate":
+        shown = "-" if observed is None else f"{observed:.1%}"
+        return f"error rate {shown} <= {v['threshold']:.1%} {'PASS' if v['passed'] else 'FAIL'}"
+    shown = "-" if observed is None else f"{observed:.3f}s"
+    return f"{name} {shown} <= {v['threshold']:g}s {'PASS' if v['passed'] else 'FAIL'}"
+
+
+def _client_lines(client: dict[str, Any] | None) -> list[str]:
+    if not client:
+        return []
+    parts = []
+    if client["achieved_rate_per_s"] is not None:
+        parts.append(f"achieved {client['achieved_rate_per_s']:.2f} req/s")
+        if client["scheduled_rate_per_s"]:
+            parts.append(f"scheduled {client['scheduled_rate_per_s']:.2f}")
+        if client["target_rate_per_s"]:
+            parts.append(f"target {client['target_rate_per_s']:.2f}")
+    parts.append(f"CPU {client['cpu_util']:.0%} of a core")
+    if client["loop_lag_p99_s"] is not None:
+        parts.append(f"loop lag p99 {client['loop_lag_p99_s'] * 1000:.1f} ms")
+    verdict = "CLIENT IS THE BOTTLENECK" if client["bottleneck"] else "client kept up"
+    return [f"client: {', '.join(parts)} -> {verdict}"]
+
+
+def _attribution_lines(att: dict[str, Any] | None) -> list[str]:
+    if not att:
+        return []
+    line = (
+        f"slowest 1% (n={att['slowest_count']}), server timings: E2E {att['e2e_s']:.3f}s = queue "
+        f"{att['queue_s']:.3f} + prefill {att['prefill_s']:.3f} + decode {att['decode_s']:.3f} + outside server "
+        f"{att['outside_server_s']:.3f}; preempted {att['preempted_fraction']:.0%} "
+        f"(mean {att['preemptions_mean']:.2f} preemptions)"
+    )
+    if att.get("preemption_s") is not None:
+        line += f", {att['preemption_s']:.3f}s in preemption"
+    baseline = (
+        f"  all requests: E2E {att['baseline_e2e_s']:.3f}s, queue {att['baseline_queue_s']:.3f}, prefill "
+        f"{att['baseline_prefill_s']:.3f}, decode {att['baseline_decode_s']:.3f}"
+    )
+    return [line, baseline]
+
+
+def _window_lines(windows: dict[str, Any]) -> list[str]:
+    rows = windows["rows"]
+    if len(rows) < 2:
+        return []
+    out = [f"P99 per {windows['window_s']:g} s window:  start   sent  fail  TTFT(s)  TPOT(ms)  E2E(s)"]
+    for r in rows:
+        out.append(
+            f"{'':26}{r['start_s']:6.0f} {r['sent']:6d} {r['failed']:5d} {fmt_num(r['ttft_p99_s']):>8} "
+            f"{fmt_num(r['tpot_p99_s'], 1000):>9} {fmt_num(r['e2e_p99_s']):>7}"
+        )
+    return out
+
+
+# Rows of `compare`: (label, path into the result document, display scale)
+COMPARE_ROWS: tuple[tuple[str, tuple[str, ...], float], ...] = (
+    ("TTFT p50 (s)", ("metrics", "ttft_s", "p50"), 1.0),
+    ("TTFT p99 (s)", ("metrics", "ttft_s", "p99"), 1.0),
+    ("TPOT p50 (ms)", ("metrics", "tpot_s", "p50"), 1000.0),
+    ("TPOT p99 (ms)", ("metrics", "tpot_s", "p99"), 1000.0),
+    ("ITL p99 (ms)", ("metrics", "itl_s", "p99"), 1000.0),
+    ("E2E p50 (s)", ("metrics", "e2e_s", "p50"), 1.0),
+    ("E2E p99 (s)", ("metrics", "e2e_s", "p99"), 1.0),
+    ("E2E p99/mean", ("metrics", "e2e_s", "p99_over_mean"), 1.0),
+    ("queue p99 (s)", ("metrics", "queue_s", "p99"), 1.0),
+    ("requests/s", ("throughput", "requests_per_s"), 1.0),
+    ("output tok/s", ("throughput", "output_tokens_per_s"), 1.0),
+    ("total tok/s", ("throughput", "total_tokens_per_s"), 1.0),
+    ("goodput req/s", ("slo", "goodput_per_s"), 1.0),
+    ("measured requests", ("counts", "measured"), 1.0),
+    ("failed requests", ("counts", "failed"), 1.0),
+    ("max rate meeting SLOs", ("capacity", "max_rate_per_s"), 1.0),
+)
+
+
+def lookup(doc: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    """Follow `path` through nested dicts; None where anything is missing."""
+    node: Any = doc
+    for key in path:
+        if not isinstance(node, dict) or node.get(key) is None:
+            return None
+        node = node[key]
+    return float(node) if isinstance(node, int | float) else None
+
+
+def format_compare(docs: list[dict[str, Any]], names: list[str]) -> str:
+    """Side-by-side table; every column after the first also shows its ratio to the first."""
+    header = f"{'metric':<22}" + "".join(f"{n[:18]:>20}" for n in names)
+    lines = [header, "-" * len(header)]
+    for label, path, scale in COMPARE_ROWS:
+        values = [lookup(d, path) for d in docs]
+        if all(v is None for v in values):
+            continue
+        base = values[0]
+        cells = []
+        for i, v in enumerate(values):
+            text = fmt_num(v, scale)
+            if i > 0 and v is not None and base:
+                text += f" ({v / base:.2f}x)"
+            cells.append(f"{text:>20}")
+        lines.append(f"{label:<22}" + "".join(cells))
+    verdicts = ["PASS" if d["slo"]["all_pass"] else "FAIL" for d in docs]
+    lines.append(f"{'all SLOs':<22}" + "".join(f"{v:>20}" for v in verdicts))
+    lines.append("ratios are column / first column")
+    return "\n".join(lines)
+
+
+def format_capacity(capacity: dict[str, Any]) -> str:
+    """Latency-vs-rate curve and the answer."""
+    lines = [
+        f"{'rate (req/s)':>13} {'achieved':>9} {'TTFT p99':>9} {'TPOT p99':>9} {'E2E p99':>8} "
+        f"{'goodput':>8} {'errors':>7}  verdict"
+    ]
+    for p in sorted(capacity["points"], key=lambda p: p["rate_per_s"]):
+        lines.append(
+            f"{p['rate_per_s']:13.2f} {fmt_num(p['achieved_rate_per_s']):>9} {fmt_num(p['ttft_p99_s']):>9} "
+            f"{fmt_num(p['tpot_p99_s'], 1000):>7}ms {fmt_num(p['e2e_p99_s']):>8} {fmt_num(p['goodput_per_s']):>8} "
+            f"{fmt_num(p['error_rate']):>7}  {'PASS' if p['passed'] else 'FAIL'}"
+            + ("  (client bottleneck)" if p.get("client_bottleneck") else "")
+        )
+    best = capacity["max_rate_per_s"]
+    lines.append(
+        "highest rate meeting every SLO: "
+        + (f"{best:.2f} req/s" if best is not None else "none (even the lowest failed)")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""Fixtures for bench tests: the scripted SSE server in its own process, and a way to run the bench."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tailserve.bench.app import run_once, settings_from_args
+from tailserve.bench.corpus import PromptSource
+from tailserve.bench.records import RequestRecord
+from tailserve.bench.tokenizers import load_tokenizer
+from tailserve.cli import build_parser
+
+FAKE_SERVER = Path(__file__).with_name("fake_server.py")
+
+
+class FakeServerProcess:
+    """Handle on a running fake_server.py."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def script(self, behaviours: list[dict[str, Any]]) -> None:
+        httpx.post(self.url + "/_script", json=behaviours, timeout=10).raise_for_status()
+
+    def log(self) -> list[dict[str, Any]]:
+        return list(httpx.get(self.url + "/_log", timeout=10).json())
+
+
+def start_fake_server(*extra: str) -> FakeServerProcess:
+    proc = subprocess.Popen(
+        [sys.executable, str(FAKE_SERVER), *extra], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("PORT "), f"fake server did not start: {line!r}"
+    return FakeServerProcess(proc, int(line.split()[1]))
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeServerProcess]:
+    server = start_fake_server("--model", "fake-model")
+    yield server
+    server.proc.terminate()
+    server.proc.wait(timeout=10)
+
+
+def run_bench(argv: list[str]) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """Parse `tailserve bench ARGV` with the real CLI parser and run it in-process."""
+    args = build_parser().parse_args(["bench", *argv])
+    settings = settings_from_args(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    return asyncio.run(run_once(settings, tokenizer, PromptSource(tokenizer)))
