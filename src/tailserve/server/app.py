@@ -152,8 +152,19 @@ async def _warm_up(state: ServerState) -> None:
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
             async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", ids, params):
                 pass
+            await _settle(engine)
         state.metrics.exclude_warmup()
         state.admission.ready = True
         log.info("model %s warmed up; ready", engine.model_name)
     except Exception:
         log.exception("warm-up failed; /ready stays 503")
+
+
+async def _settle(engine: Engine, timeout_s: float = 2.0) -> None:
+    """Wait until the engine's stats show no request, so the warm-up's counters are all in the baseline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            return
+        await asyncio.sleep(0.01)

@@ -1,0 +1,394 @@
+"""End to end: `tailserve serve` as a subprocess on a loopback port, driven by the official openai client.
+
+Most tests use the real engine with `dummy:tiny` (random weights, byte tokenizer); two check real
+answers from the default SmolLM2 model. Nothing asserts on speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.harness import serve_process
+
+TINY = "dummy-tiny"
+
+
+def metrics(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{base}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def value(base: str, name: str, **labels: str) -> float:
+    return metrics(base).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_idle(base: str, timeout_s: float = 10.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Metrics once no request runs or waits and no KV block is held (or the last seen after timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(base)
+        idle = all(
+            m[(n, ())] == 0
+            for n in ("tailserve_requests_running", "tailserve_requests_waiting", "tailserve_kv_blocks_used")
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def assert_idle(base: str) -> None:
+    m = wait_idle(base)
+    assert m[("tailserve_requests_running", ())] == 0
+    assert m[("tailserve_requests_waiting", ())] == 0
+    assert m[("tailserve_kv_blocks_used", ())] == 0
+    assert m[("tailserve_kv_blocks_total", ())] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[str]:
+    with serve_process(["--model", "dummy:tiny", "--max-body-bytes", "256KiB"]) as (base, _):
+        yield base
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_completion_and_chat_with_usage(tiny: str) -> None:
+    c = client(tiny)
+    assert [m.id for m in c.models.list()] == [TINY]
+    r = c.completions.create(
+        model=TINY, prompt="Hello", max_tokens=8, seed=1, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 5
+    assert r.usage.total_tokens == 13
+    assert r.usage.prompt_tokens_details is not None
+    timings = (r.model_extra or {})["tailserve_timings"]
+    assert timings["output_tokens"] == 8 and timings["prompt_tokens"] == 5
+    assert 0 <= timings["ttft_s"] <= timings["e2e_s"]
+
+    ids = c.completions.create(
+        model=TINY, prompt=[72, 101, 108], max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert ids.usage is not None and ids.usage.prompt_tokens == 3
+
+    chat = c.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+
+
+def _stream_text(stream: Any, chat: bool) -> tuple[str, list[Any]]:
+    chunks = list(stream)
+    text = ""
+    for ch in chunks:
+        for choice in ch.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+    return text, chunks
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_text_equals_non_streamed_for_same_seed(tiny: str, chat: bool) -> None:
+    c = client(tiny)
+    common: dict[str, Any] = {"model": TINY, "max_tokens": 40, "seed": 1234, "temperature": 0.8}
+    common["extra_body"] = {"top_k": 50}
+    if chat:
+        messages: Any = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me a story"},
+        ]
+        full = c.chat.completions.create(messages=messages, **common)
+        stream = c.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **common
+        )
+        expected = full.choices[0].message.content
+    else:
+        full = c.completions.create(prompt="Once upon a time", **common)
+        stream = c.completions.create(
+            prompt="Once upon a time", stream=True, stream_options={"include_usage": True}, **common
+        )
+        expected = full.choices[0].text
+    text, chunks = _stream_text(stream, chat)
+    assert text == expected
+    assert full.usage is not None
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == full.usage.completion_tokens
+    assert "tailserve_timings" in (last.model_extra or {})
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+
+
+def test_stream_without_usage_puts_timings_on_the_finish_chunk(tiny: str) -> None:
+    with httpx.stream(
+        "POST", f"{tiny}/v1/completions", json={"model": TINY, "prompt": "a", "max_tokens": 3, "stream": True}
+    ) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "usage" not in events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["tailserve_timings"]["output_tokens"] == 3
+    assert all("tailserve_timings" not in e for e in events[:-1])
+
+
+def test_twenty_concurrent_async_streams_then_pool_is_free(tiny: str) -> None:
+    async def one(c: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await c.completions.create(
+            model=TINY,
+            prompt=f"request {i} " * (i + 1),
+            max_tokens=16 + i,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage = "", 0
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.text
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    async def main() -> list[tuple[str, int]]:
+        c = openai.AsyncOpenAI(base_url=f"{tiny}/v1", api_key="unused", max_retries=0)
+        non_stream = await c.completions.create(
+            model=TINY, prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
+        )
+        assert non_stream.usage is not None and non_stream.usage.completion_tokens == 2
+        return await asyncio.gather(*(one(c, i) for i in range(20)))
+
+    results = asyncio.run(main())
+    assert [usage for _, usage in results] == [16 + i for i in range(20)]
+    assert_idle(tiny)
+
+
+def _raw_stream(base: str, body: dict[str, Any]) -> socket.socket:
+    url = urlparse(base)
+    sock = socket.create_connection((url.hostname, url.port))
+    payload = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def test_client_disconnect_mid_stream_frees_everything(tiny: str) -> None:
+    aborted = value(tiny, "tailserve_requests_finished_total", finish_reason="abort")
+    sock = _raw_stream(
+        tiny, {"model": TINY, "prompt": "go", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    )
+    got = b""
+    while got.count(b"data: ") < 5:
+        got += sock.recv(65536)
+    assert b" 200 " in got.split(b"\r\n", 1)[0]
+    assert value(tiny, "tailserve_kv_blocks_used") > 0 or value(tiny, "tailserve_requests_running") > 0
+    sock.close()
+    assert_idle(tiny)
+    assert value(tiny, "tailserve_requests_finished_total", finish_reason="abort") == aborted + 1
+
+
+BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
+    ("/v1/completions", b'{"model": "dummy-tiny", "prompt": ', 400, None),
+    ("/v1/completions", b'{"model": "dummy-tiny", "prompt": "\xff\xfe"}', 400, None),
+    ("/v1/completions", b"[1, 2, 3]", 400, None),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": TINY, "prompt": 12}, 400, "prompt"),
+    ("/v1/completions", {"model": TINY}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a"}, 400, "model"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": TINY, "prompt": "a" * 3000, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": TINY, "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": TINY, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": TINY, "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
+    (
+        "/v1/completions",
+        {"model": TINY, "prompt": "a", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    ("/v1/completions", {"model": TINY, "prompt": "a" * 300_000}, 413, None),
+    ("/v1/chat/completions", {"model": TINY, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": TINY, "messages": "hi"}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": TINY, "messages": [{"role": "user"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
+    ("/v1/chat/completions", {"model": TINY, "messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    (
+        "/v1/chat/completions",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
+        400,
+        "max_completion_tokens",
+    ),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+]
+
+
+def test_bad_inputs_get_status_and_error_body_and_change_nothing(tiny: str) -> None:
+    before = value(tiny, "tailserve_prompt_tokens_count")
+    with httpx.Client(base_url=tiny, timeout=30) as http:
+        for path, body, status, param in BAD_INPUTS:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, r.text
+            assert error["message"] and error["type"]
+            assert error["param"] == param, (body, r.text)
+        ok = http.post("/v1/completions", json={"model": TINY, "prompt": "fine", "max_tokens": 2})
+        assert ok.status_code == 200
+    assert value(tiny, "tailserve_prompt_tokens_count") == before + 1  # only the good one ran
+    assert value(tiny, "tailserve_request_errors_total", status="400") >= 20
+    assert_idle(tiny)
+
+
+def test_metrics_parse_and_histograms_move(tiny: str) -> None:
+    names = {f.name for f in text_string_to_metric_families(httpx.get(f"{tiny}/metrics").text)}
+    for name in (
+        "tailserve_time_to_first_token_seconds",
+        "tailserve_inter_token_latency_seconds",
+        "tailserve_time_per_output_token_seconds",
+        "tailserve_e2e_request_latency_seconds",
+        "tailserve_queue_time_seconds",
+        "tailserve_prompt_tokens",
+        "tailserve_generation_tokens",
+        "tailserve_requests_running",
+        "tailserve_requests_waiting",
+        "tailserve_kv_cache_usage_ratio",
+        "tailserve_kv_blocks_total",
+        "tailserve_kv_blocks_used",
+        "tailserve_prefix_cache_hit_rate",
+        "tailserve_prefix_cache_queries",
+        "tailserve_prefix_cache_hits",
+        "tailserve_requests_finished",
+        "tailserve_preemptions",
+        "tailserve_requests_rejected",
+        "tailserve_request_errors",
+        "tailserve_ready",
+    ):
+        assert name in names, name
+    hists = ("tailserve_time_to_first_token_seconds", "tailserve_e2e_request_latency_seconds")
+    counts = {h: value(tiny, f"{h}_count") for h in (*hists, "tailserve_inter_token_latency_seconds")}
+    itl = counts["tailserve_inter_token_latency_seconds"]
+    client(tiny).completions.create(model=TINY, prompt="m", max_tokens=6, extra_body={"ignore_eos": True})
+    for h in hists:
+        assert value(tiny, f"{h}_count") == counts[h] + 1
+    assert value(tiny, "tailserve_inter_token_latency_seconds_count") == itl + 5
+    assert value(tiny, "tailserve_ready") == 1
+    assert value(tiny, "tailserve_e2e_request_latency_seconds_bucket", le="120.0") >= 1
+
+
+def test_overload_with_tiny_queue_gives_429_and_accepted_requests_complete() -> None:
+    args = ["--model", "dummy:tiny", "--max-waiting", "1", "--max-num-seqs", "2"]
+    with serve_process(args) as (base, _):
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                body = {"model": TINY, "prompt": "load " * 20, "max_tokens": 48, "ignore_eos": True}
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(24)))
+
+        responses = asyncio.run(burst())
+        rejected = [r for r in responses if r.status_code == 429]
+        accepted = [r for r in responses if r.status_code == 200]
+        assert len(rejected) + len(accepted) == 24
+        assert rejected and accepted
+        for r in rejected:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        for r in accepted:
+            assert r.json()["usage"]["completion_tokens"] == 48
+        assert sum(
+            value(base, "tailserve_requests_rejected_total", reason=k) for k in ("queue_full", "slo")
+        ) == len(rejected)
+        assert_idle(base)
+
+
+def test_sigterm_finishes_the_stream_refuses_new_requests_and_exits_zero() -> None:
+    with serve_process(["--model", "dummy:tiny", "--drain-timeout", "60"]) as (base, proc):
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read_stream() -> None:
+            body = {"model": TINY, "prompt": "drain", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        statuses = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and 503 not in statuses:
+            r = httpx.post(f"{base}/v1/completions", json={"model": TINY, "prompt": "late", "max_tokens": 2})
+            statuses.append(r.status_code)
+        assert statuses[-1] == 503, statuses
+        assert httpx.get(f"{base}/ready").status_code == 503
+        reader.join(60)
+        assert proc.wait(timeout=60) == 0
+        assert lines[-1] == "data: [DONE]"
+        final = json.loads(lines[-2][6:])
+        assert final["choices"][0]["finish_reason"] == "length"
+        assert final["tailserve_timings"]["output_tokens"] == 400
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[str]:
+    with serve_process(["--model", "default"], ready_timeout_s=240) as (base, _):
+        yield base
+
+
+def test_default_model_answers_correctly(smol: str) -> None:
+    c = client(smol)
+    (model,) = [m.id for m in c.models.list()]
+    assert model == "SmolLM2-135M-Instruct"
+    chat = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in (chat.choices[0].message.content or "")
+    stream = c.completions.create(
+        model=model, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 8"], stream=True
+    )
+    text, chunks = _stream_text(stream, chat=False)
+    assert text.startswith(" 5, 6, 7,") and "8" not in text
+    assert chunks[-1].choices[0].finish_reason == "stop"
