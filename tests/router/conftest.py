@@ -35,9 +35,9 @@ class Fake:
         return self.server.url
 
 
-@pytest.fixture
-def fakes() -> Iterator[list[Fake]]:
-    """Three healthy fake replicas."""
+@pytest.fixture(scope="module")
+def module_fakes() -> Iterator[list[Fake]]:
+    """Three fake replicas shared by a module's tests (starting servers is the slow part)."""
     started = []
     for i in range(3):
         behavior = FakeBehavior()
@@ -46,6 +46,16 @@ def fakes() -> Iterator[list[Fake]]:
     yield started
     for fake in started:
         fake.server.stop()
+
+
+@pytest.fixture
+def fakes(module_fakes: list[Fake]) -> list[Fake]:
+    """Three healthy fake replicas with fresh behaviour (restarted if a test stopped one)."""
+    for fake in module_fakes:
+        fake.behavior.reset()
+        if not fake.server.running:
+            fake.server.start()
+    return module_fakes
 
 
 RouterFactory = Callable[..., ThreadedServer]

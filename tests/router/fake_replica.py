@@ -41,6 +41,16 @@ class FakeBehavior:
     requests: list[dict[str, object]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def reset(self) -> None:
+        """Back to a healthy, instant replica with no history (fixtures reuse one fake per module)."""
+        fresh = FakeBehavior()
+        with self.lock:
+            for name in ("mode", "ready", "delay_s", "token_delay_s", "num_tokens", "waiting", "running"):
+                setattr(self, name, getattr(fresh, name))
+            self.kv_usage = fresh.kv_usage
+            self.hold_after_first = None
+            self.requests.clear()
+
     def served(self) -> int:
         """How many generation requests reached this fake."""
         with self.lock:
@@ -174,6 +184,10 @@ class ThreadedServer:
         self.port = port or free_port()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
 
     @property
     def url(self) -> str:

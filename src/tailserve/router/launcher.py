@@ -24,8 +24,10 @@ from tailserve.router.config import RouterConfig
 
 REPLICA_HOST = "127.0.0.1"
 # Flags the launcher sets per child itself; everything else on the serve command line passes through.
-_OWN_FLAGS = ("--replicas", "--host", "--port")
-_SKIP_ATTRS = {"command", "func", "host", "port", "replicas"}
+# The API key travels in the environment, not on a command line that `ps` shows.
+_OWN_FLAGS = ("--replicas", "--host", "--port", "--api-key")
+_SKIP_ATTRS = {"command", "func", "host", "port", "replicas", "api_key"}
+API_KEY_ENV = "TAILSERVE_API_KEY"
 
 
 def port_is_free(port: int, host: str = REPLICA_HOST) -> bool:
@@ -107,9 +109,11 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU ")]
 
 
-def child_env(index: int, gpus: Sequence[str]) -> dict[str, str]:
+def child_env(index: int, gpus: Sequence[str], api_key: str | None = None) -> dict[str, str]:
     """The environment of replica `index`: one GPU of its own when there are several."""
     env = dict(os.environ)
+    if api_key:
+        env[API_KEY_ENV] = api_key
     if len(gpus) > 1:
         env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
     return env
@@ -182,7 +186,8 @@ def run_replicas(args: argparse.Namespace) -> int:
                 cmd = [sys.executable, "-m", "tailserve.cli", "serve", *flags]
                 cmd += ["--host", REPLICA_HOST, "--port", str(port)]
                 print(f"tailserve: replica {i} on {urls[i]}: {' '.join(cmd[3:])}", flush=True)
-                children.append(subprocess.Popen(cmd, env=child_env(i, gpus)))
+                env = child_env(i, gpus, getattr(args, "api_key", None))
+                children.append(subprocess.Popen(cmd, env=env))
             wait_ready(urls, children, float(getattr(args, "replica_start_timeout", 900.0)))
             config = RouterConfig(
                 replicas=tuple(urls),
@@ -193,5 +198,6 @@ def run_replicas(args: argparse.Namespace) -> int:
             print(f"tailserve: routing on http://{args.host}:{args.port} ({config.policy})", flush=True)
             serve_router(config, getattr(args, "log_level", "info") or "info")
         finally:
-            terminate(children)
+            # The children drain in-flight requests on SIGTERM; give them that long.
+            terminate(children, float(getattr(args, "drain_timeout", 10.0) or 10.0) + 5.0)
     return 0
