@@ -18,6 +18,7 @@ from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import RequestOutput, SamplingParams
 from tailserve.engine.stats import EngineStats
 from tailserve.errors import TailserveError
+from tailserve.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,16 @@ class EngineDeadError(TailserveError):
 class AsyncEngine:
     """Streams each request's tokens as they are produced; safe to call from any thread's event loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.engine = LLMEngine(config, loaded)
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._streams: dict[
+            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]
+        ] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
@@ -76,7 +79,11 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per step that advanced the request, the last with finished=True."""
         import time

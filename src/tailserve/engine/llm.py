@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import RequestOutput, SamplingParams
+from tailserve.model.loader import LoadedModel
 
 
 class LLM:
@@ -19,6 +20,7 @@ class LLM:
         config: EngineConfig | None = None,
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
+        loaded: LoadedModel | None = None,
         **model_kwargs: object,
     ) -> None:
         if config is None:
@@ -27,7 +29,7 @@ class LLM:
                 cache=cache or CacheConfig(),
                 scheduler=scheduler or SchedulerConfig(),
             )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, loaded)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

@@ -14,11 +14,12 @@ import torch
 
 from tailserve.config import EngineConfig
 from tailserve.engine.block_manager import KVCacheManager
-from tailserve.engine.request import Request, RequestOutput, RequestStatus, RequestTimings, SamplingParams
+from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import EngineStats, StepTimer
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
-from tailserve.model.loader import load_model
+from tailserve.model.attention import AttentionBackend
+from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.runner import ModelRunner, SeqChunk, kv_bytes_per_token
 from tailserve.model.sampler import SamplingSpec
 from tailserve.model.tokenizer import IncrementalDetokenizer
@@ -49,12 +50,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     """Owns the model runner, the KV cache manager and the scheduler; advances all requests a step at a time."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """Build from the config; `loaded` reuses weights already in memory (tests build many engines)."""
         self.config = config
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        loaded = load_model(mc.model, self.dtype, mc.seed)
+        if loaded is None:
+            loaded = load_model(mc.model, self.dtype, mc.seed)
         self.load_s = loaded.load_s
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -67,7 +70,9 @@ class LLMEngine:
         del loaded
         self.kv_bytes_per_token = kv_bytes_per_token(self.arch, self.dtype)
         num_blocks = self._num_blocks(model)
-        self.runner = ModelRunner(model, num_blocks, cc.block_size, self.device, backend=_pick_backend(self.device))
+        self.runner = ModelRunner(
+            model, num_blocks, cc.block_size, self.device, backend=_pick_backend(self.device)
+        )
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.timer = StepTimer(budget_tokens=config.scheduler.max_num_batched_tokens)
@@ -96,7 +101,9 @@ class LLMEngine:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free
-            budget = int(total * cc.gpu_memory_utilization) - used_by_others - (1 << 30)  # 1 GiB for activations
+            budget = (
+                int(total * cc.gpu_memory_utilization) - used_by_others - (1 << 30)
+            )  # 1 GiB for activations
             log.info(
                 "KV budget: %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - 1 GiB activations",
                 budget / 2**30,
@@ -144,14 +151,22 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float | None = None,
     ) -> None:
         """Validate, then queue. Raises before any state changes if the request is bad."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         self.check_request(prompt_token_ids, params)
         gen = torch.Generator()
-        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng)))
+        gen.manual_seed(
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        )
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -223,7 +238,9 @@ class LLMEngine:
             req.text += req.detokenizer.add(token)
             if p.stop and self._cut_at_stop(req):
                 reason = "stop"
-        if reason is None and (req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len):
+        if reason is None and (
+            req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len
+        ):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -280,7 +297,7 @@ class LLMEngine:
         return self.timer.estimate_s(queued + num_prompt_tokens, len(self.scheduler.running))
 
 
-def _pick_backend(device: torch.device) -> object | None:
+def _pick_backend(device: torch.device) -> AttentionBackend | None:
     """The fastest attention backend for the device; None means the portable torch one."""
     if device.type != "cuda":
         return None
@@ -288,4 +305,5 @@ def _pick_backend(device: torch.device) -> object | None:
         from tailserve.model.triton_attention import TritonPagedAttention  # type: ignore[import-not-found]
     except ImportError:
         return None
-    return TritonPagedAttention()
+    backend: AttentionBackend = TritonPagedAttention()
+    return backend

@@ -39,11 +39,17 @@ class SamplingParams:
         _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         _check(_finite(self.temperature), "temperature must be a number", "temperature")
         _check(
-            0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}", "temperature"
+            0.0 <= self.temperature <= 2.0,
+            f"temperature must be in [0, 2], got {self.temperature}",
+            "temperature",
         )
         _check(_finite(self.top_p), "top_p must be a number", "top_p")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool), "top_k must be an integer", "top_k")
+        _check(
+            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
+            "top_k must be an integer",
+            "top_k",
+        )
         _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
         _check(
             self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),

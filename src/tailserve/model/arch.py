@@ -75,7 +75,9 @@ class ArchConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             intermediate_size=int(cfg["intermediate_size"]),
             head_dim=int(cfg.get("head_dim") or 0),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_theta=float(
+                cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+            ),
             rope_scaling=cfg.get("rope_scaling"),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -22,9 +22,7 @@ _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 # llama.cpp's pre-tokenizer names -> split regexes (byte-level BPE). Digits-first for SmolLM.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -95,7 +93,9 @@ def _arch_from_metadata(meta: dict[str, Any], path: Path) -> ArchConfig:
     hidden = int(get("embedding_length"))
     scaling = None
     if get("rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError(f"{path}: rope scaling {get('rope.scaling.type')!r} in GGUF is not supported")
+        raise UnsupportedModelError(
+            f"{path}: rope scaling {get('rope.scaling.type')!r} in GGUF is not supported"
+        )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     return ArchConfig(
@@ -134,7 +134,9 @@ def _weights(reader: Any, arch: ArchConfig, dtype: torch.dtype) -> dict[str, tor
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
-            raise UnsupportedModelError(f"GGUF tensor {t.name}: quantization {t.tensor_type.name} unsupported") from exc
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.name}: quantization {t.tensor_type.name} unsupported"
+            ) from exc
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
@@ -183,7 +185,11 @@ def _tokenizer(meta: dict[str, Any], path: Path, arch: ArchConfig) -> Tokenizer:
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=tok("bos"), eos_token=tok("eos"), unk_token=tok("unknown"), pad_token=tok("padding")
+        tokenizer_object=backend,
+        bos_token=tok("bos"),
+        eos_token=tok("eos"),
+        unk_token=tok("unknown"),
+        pad_token=tok("padding"),
     )
     hf.add_special_tokens({"additional_special_tokens": special})  # type: ignore[dict-item]
     if user:
@@ -193,7 +199,12 @@ def _tokenizer(meta: dict[str, Any], path: Path, arch: ArchConfig) -> Tokenizer:
         hf.chat_template = str(template)
     eos = set(arch.eos_token_ids)
     for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-        if name in vocab and token_types[vocab[name]] == _TOKEN_TYPE_CONTROL and template and name in str(template):
+        if (
+            name in vocab
+            and token_types[vocab[name]] == _TOKEN_TYPE_CONTROL
+            and template
+            and name in str(template)
+        ):
             eos.add(vocab[name])
     return Tokenizer(hf, sorted(eos), path.name)
 

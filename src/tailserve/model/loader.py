@@ -49,7 +49,9 @@ def default_model_path() -> Path:
     for f in dist.files or []:
         if f.name == DEFAULT_MODEL_FILE:
             return Path(str(dist.locate_file(f)))
-    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package; reinstall it")
+    raise ModelLoadError(
+        f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package; reinstall it"
+    )
 
 
 def load_model(spec: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
@@ -60,7 +62,9 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
     else:
         path = default_model_path() if spec == "default" else Path(spec).expanduser()
         if not path.exists():
-            raise ModelLoadError(f"model path {str(path)!r} does not exist (pass a directory, a .gguf file, or default)")
+            raise ModelLoadError(
+                f"model path {str(path)!r} does not exist (pass a directory, a .gguf file, or default)"
+            )
         if path.is_file() and path.suffix == ".gguf":
             from tailserve.model.gguf_loader import load_gguf
 
@@ -89,14 +93,22 @@ def _load_dummy(
             weights[name] = (torch.randn(shape, generator=gen) * std).to(dtype)
     eos = 2
     arch = ArchConfig(**{**arch.__dict__, "eos_token_ids": (eos,), "bos_token_id": 1})
-    return f"dummy-{preset_name}", arch, weights, Tokenizer(ByteTokenizer(arch.vocab_size), [eos], preset_name)
+    return (
+        f"dummy-{preset_name}",
+        arch,
+        weights,
+        Tokenizer(ByteTokenizer(arch.vocab_size), [eos], preset_name),
+    )
 
 
 def hf_weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model under its Hugging Face name, with its shape."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
     for i in range(arch.num_layers):
@@ -113,11 +125,17 @@ def hf_weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (h, arch.intermediate_size),
         }
         if arch.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
     return shapes
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
+def _load_hf_dir(
+    path: Path, dtype: torch.dtype
+) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
     from safetensors.torch import load_file
 
     cfg_path = path / "config.json"

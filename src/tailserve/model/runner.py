@@ -127,7 +127,9 @@ class ModelRunner:
                 prefills.append(PrefillSpan(q_start, n, ctx_len, ctx_slots.to(dev), mask.to(dev)))
             if c.sample:
                 logits_rows.append((q_start + n - 1, j))
-        tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.long)
+        tables = torch.tensor(
+            [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.long
+        )
         seq_lens = torch.tensor([c.start_pos + len(c.token_ids) for c in chunks], dtype=torch.long)
         dec_lens = seq_lens[:num_decodes]
         dec_blocks = (int(dec_lens.max()) + bs - 1) // bs if num_decodes else 0

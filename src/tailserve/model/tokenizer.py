@@ -36,12 +36,17 @@ class Tokenizer:
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         if not getattr(self.hf, "chat_template", None):
-            text = "".join(f"{m.get('role', 'user')}: {m.get('content', '')}\n" for m in messages) + "assistant: "
+            text = (
+                "".join(f"{m.get('role', 'user')}: {m.get('content', '')}\n" for m in messages)
+                + "assistant: "
+            )
             return self.encode(text)
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors: a malformed conversation, not a server fault
-            raise InvalidRequestError(f"messages do not fit the chat template: {exc}", param="messages") from exc
+            raise InvalidRequestError(
+                f"messages do not fit the chat template: {exc}", param="messages"
+            ) from exc
         return self.encode(str(text), add_special_tokens=False)
 
 

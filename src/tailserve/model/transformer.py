@@ -60,16 +60,22 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], arch.rms_norm_eps)
         a = prefix + "self_attn."
         self.qkv_weight = nn.Parameter(
-            torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]), requires_grad=False
+            torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+            requires_grad=False,
         )
         self.qkv_bias = (
-            nn.Parameter(torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]), requires_grad=False)
+            nn.Parameter(
+                torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]),
+                requires_grad=False,
+            )
             if arch.qkv_bias
             else None
         )
         self.o_weight = nn.Parameter(w[a + "o_proj.weight"], requires_grad=False)
         m = prefix + "mlp."
-        self.gate_up_weight = nn.Parameter(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(
+            torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), requires_grad=False
+        )
         self.down_weight = nn.Parameter(w[m + "down_proj.weight"], requires_grad=False)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
@@ -108,14 +114,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class TransformerLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head, built from Hugging Face-named weights."""
 
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
         super().__init__()
         self.arch = arch
         self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, weights, f"model.layers.{i}.") for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, weights, f"model.layers.{i}.") for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps)
         head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or arch.tie_word_embeddings else nn.Parameter(head, requires_grad=False)
+        self.lm_head = (
+            self.embed
+            if head is None or arch.tie_word_embeddings
+            else nn.Parameter(head, requires_grad=False)
+        )
         inv_freq = rope_inv_freq(arch)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)

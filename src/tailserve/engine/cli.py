@@ -1,0 +1,53 @@
+"""`tailserve generate`: run prompts through the engine offline and print the completions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "generate", help="print completions of prompts (offline)"
+    )
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default="default", help="HF directory, .gguf file, default, or dummy:<preset>")
+    p.add_argument(
+        "--chat", action="store_true", help="send each prompt as a user turn through the chat template"
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import logging
+
+    from tailserve.engine import LLM, SamplingParams
+    from tailserve.errors import TailserveError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        outputs = llm.generate(args.prompts, params, chat=args.chat)
+    except TailserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(out.text)
+    return 0

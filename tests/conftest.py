@@ -1,0 +1,57 @@
+"""Shared fixtures: the real default model (SmolLM2-135M GGUF), loaded once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tailserve.model.loader import LoadedModel, default_model_path, load_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smol() -> LoadedModel:
+    """SmolLM2-135M-Instruct dequantized to fp32 by our GGUF loader."""
+    return load_model("default", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> torch.nn.Module:
+    """The same GGUF file loaded by Hugging Face transformers' own GGUF path (independent of ours)."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+EngineFactory = Callable[..., object]
+
+
+@pytest.fixture
+def engine_config() -> Callable[..., EngineConfig]:
+    """Build an EngineConfig for the default model with overrides per concern."""
+
+    def make(
+        kv_cache_memory_bytes: int | None = 64 << 20,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        **scheduler: object,
+    ) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=2048),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(**scheduler),  # type: ignore[arg-type]
+        )
+
+    return make

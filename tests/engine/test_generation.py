@@ -1,0 +1,134 @@
+"""Greedy generations equal transformers' `generate`, whatever the batching, chunking, caching or preemption."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tailserve.config import EngineConfig
+from tailserve.engine import LLM, SamplingParams
+from tailserve.model.loader import LoadedModel
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Write one sentence about the ocean.",
+    "What language is spoken in Brazil?",
+    "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "List the days of the week.",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts(smol: LoadedModel) -> list[list[int]]:
+    system = [{"role": "system", "content": "You are a concise assistant. Answer briefly."}]
+    return [smol.tokenizer.apply_chat_template(system + [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]], hf_reference: torch.nn.Module) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding effects)."""
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = hf_reference.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
+            )
+        outs.append(gen[0, len(ids) :].tolist())
+    return outs
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return [o.token_ids for o in outs]
+
+
+def _assert_pool_free(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_used == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_concurrent_greedy_equals_transformers(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    llm = LLM(config=engine_config(), loaded=smol)
+    assert _run(llm, prompts) == reference
+    _assert_pool_free(llm)
+    assert "Paris" in llm.tokenizer.decode(reference[0])
+
+
+def test_tiny_token_budget_chunks_prefill_same_tokens(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    llm = LLM(config=engine_config(max_num_batched_tokens=24), loaded=smol)
+    assert _run(llm, prompts) == reference
+    assert llm.engine.timer.steps > sum(len(p) for p in prompts) // 24  # prompts really were chunked
+    _assert_pool_free(llm)
+
+
+def test_repeated_prefix_hits_cache_same_tokens(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    llm = LLM(config=engine_config(), loaded=smol)
+    assert _run(llm, prompts[:1]) == reference[:1]  # warms the cache with the shared system prompt
+    before = llm.engine.stats().prefix_cache_hits
+    assert _run(llm, prompts) == reference
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits - before >= 16 * len(prompts)  # at least one full block each
+    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
+    assert all(o.num_cached_tokens >= 16 for o in outs)
+    _assert_pool_free(llm)
+
+
+def test_tiny_pool_forces_preemption_same_tokens(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    block_bytes = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2 fp32 KV bytes for one 16-token block
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = -(-longest // 16) * 3  # room for about three sequences at once
+    llm = LLM(config=engine_config(kv_cache_memory_bytes=num_blocks * block_bytes), loaded=smol)
+    assert llm.engine.kv.num_blocks == num_blocks
+    assert _run(llm, prompts) == reference
+    assert llm.engine.stats().preemptions_total > 0
+    _assert_pool_free(llm)
+
+
+def test_abort_mid_generation_frees_every_block(
+    smol: LoadedModel, engine_config: Callable[..., EngineConfig], prompts: list[list[int]]
+) -> None:
+    llm = LLM(config=engine_config(max_num_batched_tokens=32), loaded=smol)
+    engine = llm.engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=50, temperature=0.0))
+    for _ in range(6):  # some mid-prefill, some decoding
+        engine.step()
+    assert engine.stats().kv_blocks_used > 0
+    for i in range(len(prompts)):
+        out = engine.abort(f"r{i}")
+        assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.abort("r0") is None  # idempotent
+    assert not engine.has_unfinished()
+    _assert_pool_free(llm)
