@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 from urllib.parse import urlparse
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tailserve.server.config import ServerConfig
 from tests.server.fake_engine import FakeEngine
-from tests.server.harness import threaded_server, wait_ready
+from tests.server.harness import serve_process, threaded_server, wait_ready
 
 GOOD = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
@@ -193,3 +194,25 @@ def test_unknown_routes_and_methods_get_openai_errors() -> None:
         assert r.status_code == 405 and "error" in r.json()
         assert httpx.get(f"{base}/v1/models/fake-model").json()["id"] == "fake-model"
         assert httpx.get(f"{base}/v1/models/nope").status_code == 404
+
+
+def test_sigint_past_the_drain_timeout_still_exits_zero() -> None:
+    with serve_process(["--step-s", "0.05", "--drain-timeout", "0.5"], fake=True, ready_timeout_s=60) as (
+        base,
+        proc,
+    ):
+        sock = _open_stream(base, {**GOOD, "max_tokens": 400, "stream": True})
+        head = b""
+        while b"data: " not in head:
+            head += sock.recv(65536)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert (
+            time.monotonic() - started < 15
+        )  # cut at drain timeout + uvicorn's grace, not at 20 s of tokens
+        rest = b""
+        while chunk := sock.recv(65536):
+            rest += chunk
+        assert b"[DONE]" not in rest
+        sock.close()

@@ -12,7 +12,15 @@ import os
 import sys
 from typing import Any
 
-from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_bytes
+from tailserve.config import (
+    DEVICES,
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_bytes,
+)
 from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.server.config import LOG_LEVELS, ServerConfig
 
@@ -25,8 +33,8 @@ def register(subparsers: Any) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="default", help="HF dir, .gguf file, 'default' or 'dummy:<preset>'")
     m.add_argument("--served-model-name", default=None, help="name in /v1/models and the 'model' field")
-    m.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    m.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    m.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    m.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when available")
     m.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)"
     )

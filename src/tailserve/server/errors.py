@@ -11,12 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tailserve.errors import (
-    ContextLengthExceededError,
-    InvalidRequestError,
-    RequestRejectedError,
-    TailserveError,
-)
+from tailserve.errors import InvalidRequestError, RequestRejectedError, TailserveError
 
 log = logging.getLogger("tailserve.server")
 
@@ -86,9 +81,7 @@ def error_body(
 def to_http(exc: BaseException) -> HTTPError:
     """Status, body and headers for any exception; unknown ones become a 500 without details."""
     if isinstance(exc, InvalidRequestError):  # includes ContextLengthExceeded, InvalidJSON, Unsupported
-        code = exc.code if type(exc) is not InvalidRequestError else None
-        if isinstance(exc, ContextLengthExceededError):
-            code = "context_length_exceeded"
+        code = None if type(exc) is InvalidRequestError else exc.code
         return HTTPError(400, error_body(exc.message, "invalid_request_error", exc.param, code), {})
     if isinstance(exc, ModelNotFoundError):
         return HTTPError(
