@@ -5,6 +5,7 @@ Test plumbing only; it never picks a fixed port and always stops what it started
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -52,7 +53,7 @@ def threaded_server(engine: Engine, config: ServerConfig | None = None, ready: b
     """uvicorn serving create_app(engine) in a thread; yields the base URL."""
     port = free_port()
     cfg = config or ServerConfig()
-    cfg = ServerConfig(**{**cfg.__dict__, "port": port, "log_level": "warning"})
+    cfg = dataclasses.replace(cfg, port=port, log_level="warning")
     server = uvicorn.Server(
         uvicorn.Config(create_app(engine, cfg), host="127.0.0.1", port=port, log_level="warning")
     )
