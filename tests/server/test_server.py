@@ -58,7 +58,7 @@ def assert_idle(base: str) -> None:
     assert m[("tailserve_requests_running", ())] == 0
     assert m[("tailserve_requests_waiting", ())] == 0
     assert m[("tailserve_kv_blocks_used", ())] == 0
-    assert m[("tailserve_kv_blocks_total", ())] > 0
+    assert m[("tailserve_kv_blocks_capacity", ())] > 0
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +289,7 @@ def test_metrics_parse_and_histograms_move(tiny: str) -> None:
         "tailserve_requests_running",
         "tailserve_requests_waiting",
         "tailserve_kv_cache_usage_ratio",
-        "tailserve_kv_blocks_total",
+        "tailserve_kv_blocks_capacity",
         "tailserve_kv_blocks_used",
         "tailserve_prefix_cache_hit_rate",
         "tailserve_prefix_cache_queries",

@@ -80,7 +80,7 @@ class _EngineCollector:
                 "Fraction of KV blocks in use (0..1).",
                 used / total if total else 0.0,
             ),
-            gauge("tailserve_kv_blocks_total", "KV blocks in the preallocated pool.", total),
+            gauge("tailserve_kv_blocks_capacity", "KV blocks in the preallocated pool.", total),
             gauge("tailserve_kv_blocks_used", "KV blocks held by requests.", used),
             gauge(
                 "tailserve_prefix_cache_hit_rate",
