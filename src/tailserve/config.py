@@ -50,7 +50,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128), f"--block-size must be 8..128 (power of 2), got {self.block_size}")
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            f"--block-size must be 8..128 (power of 2), got {self.block_size}",
+        )
         _require(
             self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
             "--kv-cache-memory must be positive",
