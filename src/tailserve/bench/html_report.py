@@ -42,8 +42,13 @@ def render_html(result: dict[str, Any], records: list[RequestRecord]) -> str:
         "<h2>Latency</h2>",
         _metrics_table(result),
     ]
+    body.append("<h2>Capacity curve</h2>")
     if result.get("capacity"):
-        body += ["<h2>Capacity curve</h2>", _capacity_section(result["capacity"])]
+        body.append(_capacity_section(result["capacity"]))
+    else:
+        body.append(
+            "<p>One run at one load; <code>tailserve bench capacity</code> draws the latency-vs-rate curve.</p>"
+        )
     ok = [r for r in records if r.phase == "measured" and r.ok]
     bands = _phase_bands(result, records)
     body += [
@@ -178,10 +183,17 @@ def _time_charts(result: dict[str, Any], records: list[RequestRecord], bands: li
         pts = _thin([(r.sent_s, v * scale) for r in done if (v := get(r)) is not None])
         p99 = _window_steps(rows, key, scale)
         target = result["slo"]["targets"].get(f"{key.split('_')[0]}_p99_s")
-        hlines = [(target * scale, f"SLO p99 {target * scale:g} {unit}")] if target else []
+        highest = max((y for _, y in pts + p99), default=0.0)
+        title = f"{name} over time"
+        hlines = []
+        if target and target * scale <= 3 * highest:
+            hlines = [(target * scale, f"SLO p99 {target * scale:g} {unit}")]
+        elif target:
+            # A far-away SLO line would flatten the data to the axis; name it in the title instead.
+            title += f" (SLO p99 {target * scale:g} {unit}, off scale)"
         charts.append(
             Chart(
-                f"{name} over time",
+                title,
                 "request sent at (s from start)",
                 f"{name} ({unit})",
                 [Series(f"{name} per request", pts, "scatter"), Series("window P99", p99, "step", "#d62728")],

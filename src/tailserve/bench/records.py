@@ -132,21 +132,17 @@ def allocate_tokens(weights: list[int], total: int) -> list[int]:
     n = len(weights)
     if n == 0 or total <= 0:
         return [0] * n
-    base_each = 1 if total >= n else 0
-    counts = [base_each] * n
-    if base_each == 0:
-        counts[0] = 1
-    remaining = total - sum(counts)
-    if remaining <= 0:
-        return counts
-    # What each chunk should get beyond the floor already given; no information -> spread evenly.
-    w = [max(0, x - base_each) for x in weights]
-    if sum(w) == 0:
-        w = [1] * n
-    shares = [remaining * x / sum(w) for x in w]
+    if total < n:
+        # Fewer tokens than chunks: keep the first and the last chunks' tokens (TTFT and E2E).
+        return [1] + [0] * (n - total) + [1] * (total - 1)
+    # Each chunk has one token; spread the rest by what each chunk holds beyond one (else evenly).
+    extra = [max(0, x - 1) for x in weights]
+    if sum(extra) == 0:
+        extra = [1] * n
+    remaining = total - n
+    shares = [remaining * x / sum(extra) for x in extra]
     floors = [int(s) for s in shares]
-    leftover = remaining - sum(floors)
     order = sorted(range(n), key=lambda i: (shares[i] - floors[i], -i), reverse=True)
-    for i in order[:leftover]:
+    for i in order[: remaining - sum(floors)]:
         floors[i] += 1
-    return [c + f for c, f in zip(counts, floors, strict=True)]
+    return [1 + f for f in floors]

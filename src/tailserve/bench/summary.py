@@ -13,7 +13,7 @@ METRIC_ROWS = (
     ("tpot_s", "TPOT", 1000.0, "ms"),
     ("itl_s", "ITL", 1000.0, "ms"),
     ("e2e_s", "E2E", 1.0, "s"),
-    ("queue_s", "queue (server)", 1.0, "s"),
+    ("queue_s", "server queue", 1.0, "s"),
     ("client_queue_s", "client queue", 1000.0, "ms"),
     ("input_tokens", "input tokens", 1.0, ""),
     ("output_tokens", "output tokens", 1.0, ""),

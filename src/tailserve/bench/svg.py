@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from html import escape
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f")
-_MARGIN_LEFT, _MARGIN_RIGHT, _MARGIN_TOP, _MARGIN_BOTTOM = 64, 16, 28, 44
+_MARGIN_LEFT, _MARGIN_RIGHT, _MARGIN_TOP, _MARGIN_BOTTOM = 64, 16, 44, 44
 
 
 @dataclass(frozen=True)
@@ -197,10 +197,12 @@ def _band(box: _Box, band: Band) -> str:
 def _rule(box: _Box, value: float, label: str, vertical: bool) -> str:
     if vertical:
         x = box.px(value)
+        # Labels near the right edge go on the left of their line so they are not cut off.
+        anchor, dx = ("end", -3) if x > box.width * 0.8 else ("start", 3)
         return (
             f'<line x1="{x:.1f}" y1="{_MARGIN_TOP}" x2="{x:.1f}" y2="{box.height - _MARGIN_BOTTOM}" '
-            f'stroke="#555" stroke-dasharray="3,3"/><text x="{x + 3:.1f}" y="{_MARGIN_TOP + 24}" '
-            f'font-size="10" fill="#555">{escape(label)}</text>'
+            f'stroke="#555" stroke-dasharray="3,3"/><text x="{x + dx:.1f}" y="{_MARGIN_TOP + 24}" '
+            f'text-anchor="{anchor}" font-size="10" fill="#555">{escape(label)}</text>'
         )
     y = box.py(value)
     return (
@@ -216,8 +218,8 @@ def _legend(box: _Box, series: list[Series]) -> str:
     for i, s in enumerate(series):
         color = s.color or PALETTE[i % len(PALETTE)]
         items.append(
-            f'<rect x="{x}" y="{_MARGIN_TOP + 6}" width="10" height="10" fill="{color}"/>'
-            f'<text x="{x + 14}" y="{_MARGIN_TOP + 15}" font-size="11">{escape(s.name)}</text>'
+            f'<rect x="{x}" y="{_MARGIN_TOP - 16}" width="10" height="10" fill="{color}"/>'
+            f'<text x="{x + 14}" y="{_MARGIN_TOP - 7}" font-size="11">{escape(s.name)}</text>'
         )
         x += 24 + 7 * len(s.name)
     return '<g class="legend">' + "".join(items) + "</g>"

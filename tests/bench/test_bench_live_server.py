@@ -1,0 +1,129 @@
+"""End to end: `tailserve bench` (the real CLI) against a live `tailserve serve --model dummy:tiny`.
+
+Checks the JSON, JSONL and HTML outputs, the server-side attribution from `tailserve_timings`, the
+output length enforced by max_tokens + ignore_eos, and a short `bench capacity` run. No assertion is
+made on the server's speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tailserve.cli import main
+from tests.bench.test_report import CHROMIUM, render_in_chromium
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tailserve.server.cli") is None, reason="tailserve.server has not landed"
+)
+READY_TIMEOUT_S = 180.0
+
+
+def tailserve_command() -> list[str]:
+    script = Path(sys.executable).with_name("tailserve")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tailserve.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [*tailserve_command(), "serve", "--model", "dummy:tiny", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while True:
+            assert proc.poll() is None, f"tailserve serve exited with {proc.returncode}; see {log.name}"
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "tailserve serve did not become ready"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def bench(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*tailserve_command(), "bench", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+
+
+def test_bench_run_against_live_server(live_server: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = bench(
+        "--base-url", live_server, "--tokenizer", "byte", "--input-len", "longtail:48,200,0.1",
+        "--output-len", "uniform:8,24", "--arrival", "poisson", "--rate", "10", "-n", "30", "--warmup", "0.5",
+        "--shared-prefix-tokens", "16", "--shared-prefix-fraction", "0.5", "--out", str(out), "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "TTFT (s)" in done.stdout and "SLOs:" in done.stdout
+    doc = json.loads(out.with_suffix(".json").read_text())
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert doc["status"] == "complete" and doc["model"] == "dummy-tiny"
+    assert len(rows) == 30 and doc["counts"]["failed"] == 0
+    assert doc["counts"]["ok"] == doc["counts"]["measured"] > 0
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s"):
+        assert doc["metrics"][key]["count"] > 0
+    # ignore_eos + max_tokens: every output has exactly the requested length, counted from usage.
+    assert all(r["output_tokens"] == r["requested_output_tokens"] for r in rows)
+    assert doc["output_length"]["token_sources"] == {"usage": doc["counts"]["ok"]}
+    assert doc["attribution"] is not None and doc["attribution"]["slowest_count"] >= 1
+    html = out.with_suffix(".html")
+    assert html.exists()
+    if CHROMIUM:
+        dom, _ = render_in_chromium(html, tmp_path)
+        assert dom.count("<svg") == 7  # 4 CDFs, TTFT/TPOT over time, throughput
+
+
+def test_bench_capacity_and_compare_against_live_server(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cap"
+    done = bench(
+        "capacity", "--base-url", live_server, "--tokenizer", "byte", "--input-len", "fixed:32",
+        "--output-len", "fixed:8", "--rate-start", "2", "--rate-max", "4", "--probe-duration", "2",
+        "--warmup", "0", "--slo-tpot-ms", "off", "--out", str(out), "--no-progress",
+    )  # fmt: skip
+    assert done.returncode in (0, 3), done.stdout + done.stderr
+    assert "highest rate meeting every SLO" in done.stdout
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["kind"] == "capacity" and len(doc["capacity"]["points"]) >= 1
+    assert "<svg" in out.with_suffix(".html").read_text()
+    copy = tmp_path / "copy.json"
+    shutil.copy(out.with_suffix(".json"), copy)
+    assert main(["bench", "compare", str(out.with_suffix(".json")), str(copy)]) == 0
+    assert "(1.00x)" in capsys.readouterr().out

@@ -1,0 +1,169 @@
+"""Reports: the HTML renders in headless Chromium with its plots; compare; the capacity search."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tailserve.bench.arrivals import ArrivalSpec
+from tailserve.bench.capacity import CapacityPoint, CapacitySearch, capacity_section, find_capacity
+from tailserve.bench.client import TargetConfig
+from tailserve.bench.html_report import cdf_points, render_html
+from tailserve.bench.records import RequestRecord
+from tailserve.bench.result import BenchSettings, build_result, load_result, write_json
+from tailserve.bench.runner import ClientHealth, RunControl, RunOutcome
+from tailserve.bench.stats import SloTargets
+from tailserve.bench.summary import format_capacity, format_compare, format_summary
+from tailserve.cli import main
+from tests.bench.test_stats import make_record
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def constructed_result(scale: float = 1.0, capacity: bool = False) -> tuple[dict, list[RequestRecord]]:
+    """A 300-request run with a slow tail and server timings, built without any network."""
+    timings = {"queue_s": 0.01, "prefill_s": 0.05, "decode_s": 0.2, "preemptions": 0}
+    records = [
+        make_record(i, i * 0.2, (0.1 if i % 50 else 1.5) * scale, 0.02 * scale, 11, timings=timings)
+        for i in range(300)
+    ]
+    records.append(make_record(300, 60.0, 0, 0, 0, error="rate_limited"))
+    settings = BenchSettings(
+        target=TargetConfig("http://127.0.0.1:1", "m", api_key="sk-secret"),
+        arrival=ArrivalSpec("poisson", 5.0),
+        control=RunControl(num_requests=301, warmup_s=5.0),
+        slo=SloTargets(),
+        workload=None,
+        tokenizer="approx",
+        window_s=10.0,
+    )
+    health = ClientHealth(5.0, 5.0, 5.0, 0.05, 0.001, 0.002, False, [])
+    outcome = RunOutcome(records, "complete", None, "m", "2026-01-01T00:00:00+00:00", 61.0, health, 60.0)
+    result = build_result(outcome, settings)
+    if capacity:
+        points = [
+            CapacityPoint(r, r * 0.99, 0.1 * r, 0.02, 0.5 * r, r * 0.98, 0.0, r <= 4, False, "complete")
+            for r in (1.0, 2.0, 4.0, 8.0, 6.0)
+        ]
+        result["capacity"] = capacity_section(6.0, points, None, {"TTFT": 2.0})
+    return result, records
+
+
+def test_result_document_is_complete_and_redacted() -> None:
+    result, _ = constructed_result()
+    assert result["schema"] == "tailserve-bench-result" and result["schema_version"] == 1
+    assert result["config"]["target"]["api_key"] == "***"
+    assert result["counts"]["warmup"] == 25 and result["counts"]["measured"] == 276
+    assert result["errors"]["by_kind"] == {"rate_limited": 1}
+    assert result["attribution"]["slowest_count"] == 3
+    assert len(result["windows"]["rows"]) == 6
+    json.dumps(result, allow_nan=False)  # strict JSON, no NaN
+    text = format_summary(result)
+    assert "TTFT (s)" in text and "PASS" in text and "rate_limited 1" in text and "slowest 1%" in text
+
+
+def test_cdf_points_keep_the_tail() -> None:
+    values = [float(i) for i in range(10_000)]
+    pts = cdf_points(values)
+    assert len(pts) <= 500
+    assert pts[-1] == (9999.0, 1.0)
+    assert sum(1 for v, _ in pts if v >= 9900) == 100
+
+
+def test_html_is_self_contained_with_plots() -> None:
+    result, records = constructed_result(capacity=True)
+    page = render_html(result, records)
+    # 4 CDFs + TTFT, TPOT and throughput over time + 2 capacity charts.
+    assert page.count("<svg") == 9
+    # Nothing that would load from elsewhere: no scripts, stylesheets, images, fonts or imports.
+    assert not re.search(r"<script|<link|<img|<iframe|\bsrc=|\bhref=|url\(|@import", page)
+    assert "warm-up" in page and "window P99" in page
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (scripts/test.sh installs it)")
+def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
+    result, records = constructed_result(capacity=True)
+    page = tmp_path / "report.html"
+    page.write_text(render_html(result, records))
+    dom, shot = render_in_chromium(page, tmp_path)
+    assert dom.count("<svg") == 9
+    assert "Latency CDFs" in dom and "Capacity curve" in dom
+    assert shot.stat().st_size > 10_000  # a real picture, not a blank page
+
+
+def render_in_chromium(page: Path, tmp_path: Path) -> tuple[str, Path]:
+    """Dump the rendered DOM and take a screenshot of `page` with headless Chromium."""
+    assert CHROMIUM is not None
+    flags = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+    ]  # fmt: skip
+    dom = subprocess.run(
+        [*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
+    ).stdout
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1400,3000", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
+    assert shot.exists(), "chromium took no screenshot"
+    return dom, shot
+
+
+def test_compare_prints_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, _ = constructed_result(1.0)
+    b, _ = constructed_result(2.0)
+    write_json(a, tmp_path / "a.json")
+    write_json(b, tmp_path / "b.json")
+    assert load_result(tmp_path / "a.json")["label"] == a["label"]
+    table = format_compare([a, b], ["a", "b"])
+    assert "TTFT p99 (s)" in table and "(2.00x)" in table
+    assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert "(2.00x)" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2
+    assert "not a tailserve bench result" in capsys.readouterr().err
+
+
+def fake_probe(limit: float, calls: list[float], bottleneck_from: float = 1e9):
+    """A server that meets its SLOs up to `limit` req/s."""
+
+    async def probe(rate: float) -> CapacityPoint:
+        calls.append(rate)
+        passed = rate <= limit
+        return CapacityPoint(
+            rate, rate, 0.1, 0.01, 1.0, rate, 0.0, passed, rate >= bottleneck_from, "complete"
+        )
+
+    return probe
+
+
+def test_capacity_ramps_then_bisects() -> None:
+    calls: list[float] = []
+    best, points, note = asyncio.run(
+        find_capacity(CapacitySearch(1.0, 256.0, 2.0, 0.05), fake_probe(11.0, calls))
+    )
+    assert calls[:5] == [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert best is not None and 11.0 * 0.95 <= best <= 11.0
+    assert note is None and len(points) == len(calls)
+    text = format_capacity(capacity_section(best, points, note, {}))
+    assert "highest rate meeting every SLO" in text
+
+
+def test_capacity_when_nothing_passes_or_the_client_limits() -> None:
+    calls: list[float] = []
+    best, _, _ = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0, 2.0, 0.05), fake_probe(0.0, calls)))
+    assert best is None and calls[0] == 1.0 and all(c < 1.0 for c in calls[1:])
+    best, _, note = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0), fake_probe(100.0, [])))
+    assert best == 8.0 and note and "max-rate" in note
+    best, _, note = asyncio.run(
+        find_capacity(CapacitySearch(1.0, 64.0), fake_probe(100.0, [], bottleneck_from=4.0))
+    )
+    assert best == 2.0 and note and "client" in note
