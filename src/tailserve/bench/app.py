@@ -179,7 +179,11 @@ def _arrival_from_args(args: argparse.Namespace, preset: Any) -> ArrivalSpec:
             raise BenchConfigError("--trace-speed must be > 0")
         return ArrivalSpec(kind="trace")
     base = preset.arrival if preset else ArrivalSpec(kind="poisson", rate_per_s=1.0)
-    kind = args.arrival or ("closed" if args.concurrency and not args.rate else base.kind)
+    kind = args.arrival or base.kind
+    if args.arrival is None and args.rate is not None and not args.concurrency:
+        kind = "poisson"  # a rate on a closed-loop preset means an open loop
+    elif args.arrival is None and args.concurrency and args.rate is None:
+        kind = "closed"
     return ArrivalSpec(
         kind=kind,
         rate_per_s=args.rate if args.rate is not None else base.rate_per_s,

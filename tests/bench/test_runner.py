@@ -1,0 +1,94 @@
+"""Runner behaviour against the scripted server: closed loop, multi-turn, client-side limits, fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.conftest import FakeServerProcess, run_bench
+
+FAST = {"ttft_s": 0.01, "itl_s": 0.005, "tokens": 3}
+
+
+def test_closed_loop_keeps_concurrency_bounded(fake_server: FakeServerProcess) -> None:
+    fake_server.script([{"ttft_s": 0.05, "itl_s": 0.01, "tokens": 3}])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "--arrival", "closed", "--concurrency", "3", "-n", "12", "--warmup", "0",
+         "--output-len", "fixed:3", "--no-progress"]
+    )  # fmt: skip
+    assert result["counts"]["ok"] == 12 and len(records) == 12
+    # At any moment at most 3 requests were open.
+    events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    open_now = peak = 0
+    for _, step in events:
+        open_now += step
+        peak = max(peak, open_now)
+    assert peak == 3
+    assert result["metrics"]["client_queue_s"] is None  # nothing is due on a clock in a closed loop
+
+
+def test_closed_loop_duration_mode(fake_server: FakeServerProcess) -> None:
+    fake_server.script([FAST])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "--arrival", "closed", "--concurrency", "2", "--duration", "0.5",
+         "--warmup", "0", "--no-progress"]
+    )  # fmt: skip
+    assert result["status"] == "complete" and len(records) >= 4
+    assert max(r.sent_s for r in records) < 0.6
+
+
+def test_multi_turn_resends_the_history(fake_server: FakeServerProcess) -> None:
+    fake_server.script([FAST])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "--endpoint", "chat", "--turns", "2", "-n", "4", "--rate", "20",
+         "--warmup", "0", "--input-len", "fixed:20", "--output-len", "fixed:3", "--no-progress",
+         "--shared-prefix-tokens", "8", "--shared-prefix-fraction", "1"]
+    )  # fmt: skip
+    assert result["counts"]["ok"] == 4
+    bodies = [entry["body"] for entry in fake_server.log()]
+    second_turns = [b for b in bodies if len(b["messages"]) == 4]
+    assert len(second_turns) == 2
+    roles = [m["role"] for m in second_turns[0]["messages"]]
+    assert roles == ["system", "user", "assistant", "user"]
+    assert second_turns[0]["messages"][2]["content"] == "tok tok tok "
+    assert {r.turn for r in records} == {0, 1}
+    assert all(r.scheduled_s is None for r in records if r.turn == 1)
+
+
+def test_client_side_cap_is_reported_as_the_bottleneck(fake_server: FakeServerProcess) -> None:
+    fake_server.script([{"ttft_s": 0.1, "itl_s": 0.01, "tokens": 2}])
+    result, _ = run_bench(
+        ["--base-url", fake_server.url, "--arrival", "constant", "--rate", "40", "-n", "15", "--max-concurrency", "1",
+         "--warmup", "0", "--output-len", "fixed:2", "--no-progress"]
+    )  # fmt: skip
+    client = result["client"]
+    assert client["bottleneck"]
+    assert client["achieved_rate_per_s"] < 0.5 * client["scheduled_rate_per_s"]
+    assert any("short of the scheduled" in reason for reason in client["reasons"])
+    assert result["metrics"]["client_queue_s"]["max"] > 0.5
+    assert any("CLIENT IS THE BOTTLENECK" in w for w in result["warnings"])
+
+
+def test_token_counts_fall_back_without_usage(fake_server: FakeServerProcess) -> None:
+    fake_server.script([{**FAST, "usage": False, "tokens": 4}])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "-n", "3", "--rate", "20", "--warmup", "0", "--output-len", "fixed:4",
+         "--no-progress"]
+    )  # fmt: skip
+    assert all(r.output_tokens == 4 and r.output_tokens_source == "chunks" for r in records)
+    assert any("no usage" in w for w in result["warnings"])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "-n", "3", "--rate", "20", "--warmup", "0", "--output-len", "fixed:4",
+         "--no-progress", "--tokenizer", "byte"]
+    )  # fmt: skip
+    # The byte tokenizer counts the 16 bytes of "tok tok tok tok " as 16 tokens: a local estimate.
+    assert all(r.output_tokens == 16 and r.output_tokens_source == "tokenizer" for r in records)
+
+
+def test_server_that_ignores_max_tokens_is_flagged(fake_server: FakeServerProcess) -> None:
+    fake_server.script([{**FAST, "tokens": 2}])
+    result, _ = run_bench(
+        ["--base-url", fake_server.url, "-n", "4", "--rate", "20", "--warmup", "0", "--output-len", "fixed:10",
+         "--no-progress"]
+    )  # fmt: skip
+    assert result["output_length"]["short_fraction"] == pytest.approx(1.0)
+    assert any("ignore_eos" in w for w in result["warnings"])
