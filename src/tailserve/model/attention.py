@@ -35,7 +35,8 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [D, max_blocks]
     decode_context_lens: torch.Tensor  # [D]
-    decode_key_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool
+    decode_key_mask: torch.Tensor  # [D, 1, 1, L] bool, True where a key position is valid
+    decode_slots: torch.Tensor  # [D, L] flat cache slot of each context position (padded)
     prefills: list[PrefillSpan]
     block_size: int
     # The same batch in the generic varlen form (for kernels that want it).
@@ -93,18 +94,15 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         num_seqs, heads, dim = q.shape
         kv_heads = k_cache.shape[1]
-        group = heads // kv_heads
-        bs = meta.block_size
-        tables = meta.decode_block_tables
-        # Gather each sequence's blocks: [D, max_blocks * bs, kv_heads, dim] -> [D, kv_heads, L, dim].
-        keys = k_cache.view(-1, bs, kv_heads, dim)[tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache.view(-1, bs, kv_heads, dim)[tables].flatten(1, 2).transpose(1, 2)
-        # Grouped-query attention without copying K/V per query head: [D, kv_heads, group, dim].
-        qg = q.view(num_seqs, kv_heads, group, dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~meta.decode_key_mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).view(num_seqs, heads, dim)
+        slots = meta.decode_slots  # [D, L]: every context slot of every decode, padded
+        # One gather per K and V for the whole batch: [D, kv_heads, L, dim]. Few, large ops keep CPU
+        # steps short (each op is a parallel region) and map to one fused kernel on GPU.
+        keys = k_cache.index_select(0, slots.flatten()).view(num_seqs, -1, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, slots.flatten()).view(num_seqs, -1, kv_heads, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True
+        )
+        return out.view(num_seqs, heads, dim)
 
     @staticmethod
     def _prefill(

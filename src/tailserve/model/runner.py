@@ -134,7 +134,9 @@ class ModelRunner:
         dec_lens = seq_lens[:num_decodes]
         dec_blocks = (int(dec_lens.max()) + bs - 1) // bs if num_decodes else 0
         dec_tables = tables[:num_decodes, :dec_blocks]
-        key_mask = (torch.arange(dec_blocks * bs)[None, :] < dec_lens[:, None])[:, None, None, :]
+        span = torch.arange(dec_blocks * bs)
+        key_mask = (span[None, :] < dec_lens[:, None])[:, None, None, :]
+        dec_slots = dec_tables[:, span // bs] * bs + span % bs
         qsl = [0]
         for c in chunks:
             qsl.append(qsl[-1] + len(c.token_ids))
@@ -144,6 +146,7 @@ class ModelRunner:
             decode_block_tables=dec_tables.to(dev),
             decode_context_lens=dec_lens.to(dev),
             decode_key_mask=key_mask.to(dev),
+            decode_slots=dec_slots.to(dev),
             prefills=prefills,
             block_size=bs,
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
