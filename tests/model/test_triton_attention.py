@@ -89,12 +89,14 @@ def _build(
     d = sum(_is_decode(s) for s in seqs)
     dec_lens = seq_lens[:d]
     dec_blocks = -(-int(dec_lens.max()) // page) if d else 0
+    span = torch.arange(dec_blocks * page)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         num_decodes=d,
         decode_block_tables=padded[:d, :dec_blocks],
         decode_context_lens=dec_lens,
-        decode_key_mask=(torch.arange(dec_blocks * page)[None, :] < dec_lens[:, None])[:, None, None, :],
+        decode_key_mask=(span[None, :] < dec_lens[:, None])[:, None, None, :],
+        decode_slots=padded[:d, span // page] * page + span % page,
         prefills=spans,
         block_size=page,
         query_start_loc=torch.tensor(qsl, dtype=torch.long),

@@ -40,7 +40,7 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + slot * stride_ct + offs, v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["split_len"])  # type: ignore[misc,unused-ignore]
+@triton.jit(do_not_specialize=["split_len", "num_splits"])  # type: ignore[misc,unused-ignore]
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -52,6 +52,7 @@ def _decode_kernel(
     part_lse_ptr,
     scale,
     split_len,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ct,
@@ -59,7 +60,7 @@ def _decode_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: write the output itself
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -71,7 +72,8 @@ def _decode_kernel(
     """Program (seq, kv_head, split): all GROUP query heads of one KV head over one slice of the context.
 
     With one split it writes the normalized output; otherwise the slice's normalized partial output
-    and its log-sum-exp, combined by _decode_reduce_kernel.
+    and its log-sum-exp, combined by _decode_reduce_kernel. Split counts are runtime values, so a
+    changing batch compiles no new variant.
     """
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,27 +117,27 @@ def _decode_kernel(
         m_i = m_new
     acc = acc / l_i[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if DIRECT:
         o_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # partials: [seqs, heads, NUM_SPLITS, HEAD_DIM] and lse [seqs, heads, NUM_SPLITS], contiguous
-        row = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        # partials: [seqs, heads, num_splits, HEAD_DIM] and lse [seqs, heads, num_splits], contiguous
+        row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_lse_ptr + row, m_i + tl.log(l_i), mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["split_len"])  # type: ignore[misc,unused-ignore]
+@triton.jit(do_not_specialize=["split_len", "num_splits"])  # type: ignore[misc,unused-ignore]
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
     split_len,
+    num_splits,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # a power of two >= num_splits
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -148,7 +150,7 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_valid
     d_mask = offs_d < HEAD_DIM
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    row = (seq * tl.num_programs(1) + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     weight = tl.exp(lse - tl.max(lse, 0))
     weight = tl.where(s_mask, weight, 0.0)
@@ -358,6 +360,7 @@ class TritonPagedAttention:
             part_lse,
             scale,
             split_len,
+            num_splits,
             q.stride(0),
             q.stride(1),
             k_cache.stride(0),
@@ -365,7 +368,7 @@ class TritonPagedAttention:
             block_tables.stride(0),
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
+            DIRECT=num_splits == 1,
             GROUP=group,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=dim,
@@ -381,10 +384,10 @@ class TritonPagedAttention:
                 context_lens,
                 out,
                 split_len,
+                num_splits,
                 out.stride(0),
                 out.stride(1),
-                NUM_SPLITS=num_splits,
-                BLOCK_S=triton.next_power_of_2(num_splits),
+                BLOCK_S=triton.next_power_of_2(self.max_splits),  # one compiled variant for every split count
                 HEAD_DIM=dim,
                 BLOCK_D=block_d,
             )
