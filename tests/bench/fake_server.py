@@ -87,7 +87,8 @@ class FakeServer:
     ) -> None:
         status = int(b.get("status", 200))
         if status != 200:
-            return await _send_json(writer, status, {"error": {"message": f"scripted HTTP {status}"}})
+            extra = {"retry-after": str(b["retry_after"])} if "retry_after" in b else {}
+            return await _send_json(writer, status, {"error": {"message": f"scripted HTTP {status}"}}, extra)
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
             b"cache-control: no-cache\r\n\r\n"
@@ -151,10 +152,13 @@ async def _send_chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
     await writer.drain()
 
 
-async def _send_json(writer: asyncio.StreamWriter, status: int, obj: Any) -> None:
+async def _send_json(
+    writer: asyncio.StreamWriter, status: int, obj: Any, headers: dict[str, str] | None = None
+) -> None:
     payload = json.dumps(obj).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     writer.write(
-        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n".encode()
+        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n".encode()
         + payload
     )
     await writer.drain()

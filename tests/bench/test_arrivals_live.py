@@ -24,12 +24,12 @@ def test_sent_poisson_arrivals_fit_and_reach_the_rate(fake_server: FakeServerPro
     client = result["client"]
     # The client's own work is light whatever else runs on the machine ...
     assert client["cpu_util"] < 0.5
-    # ... but when other processes starve it of CPU it falls behind and says so; then no timing
-    # claim can be checked (the bench's verdict on itself is right, so that is not a failure).
-    if client["bottleneck"]:
+    # ... but when other processes starve it of CPU, its event loop wakes late (measured by a probe
+    # independent of the send path), due sends bunch up and no timing claim can be checked.
+    lag = client["loop_lag_p99_s"] or 0.0
+    if client["bottleneck"] or lag > 0.01:
         pytest.skip(
-            "machine oversubscribed, the client reported itself as the bottleneck: "
-            + "; ".join(client["reasons"])
+            f"machine oversubscribed: client event loop lag p99 {lag * 1e3:.0f} ms; {client['reasons']}"
         )
     sent = np.sort([r.sent_s for r in records])
     gaps = np.diff(sent)

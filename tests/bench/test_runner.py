@@ -92,3 +92,15 @@ def test_server_that_ignores_max_tokens_is_flagged(fake_server: FakeServerProces
     )  # fmt: skip
     assert result["output_length"]["short_fraction"] == pytest.approx(1.0)
     assert any("ignore_eos" in w for w in result["warnings"])
+
+
+def test_closed_loop_honours_retry_after(fake_server: FakeServerProcess) -> None:
+    fake_server.script([{"status": 429, "retry_after": 0.3}])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "--arrival", "closed", "--concurrency", "1", "-n", "3", "--warmup", "0",
+         "--no-progress"]
+    )  # fmt: skip
+    assert result["errors"]["by_kind"] == {"rate_limited": 3}
+    assert all(r.retry_after_s == 0.3 and r.http_status == 429 for r in records)
+    sent = sorted(r.sent_s for r in records)
+    assert all(b - a >= 0.3 for a, b in zip(sent, sent[1:], strict=False))

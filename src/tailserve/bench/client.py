@@ -181,6 +181,7 @@ async def _stream(
     async with http.stream("POST", target.url, json=body, headers=target.headers()) as resp:
         record.http_status = resp.status_code
         if resp.status_code != 200:
+            record.retry_after_s = _retry_after(resp.headers.get("retry-after"))
             raw = (await resp.aread())[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
             _fail(record, classify_status(resp.status_code), f"HTTP {resp.status_code}: {_error_text(raw)}")
             return
@@ -296,6 +297,14 @@ def _error_text(raw: str) -> str:
     except json.JSONDecodeError:
         pass
     return snippet(raw.strip()) or "(empty body)"
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (the HTTP-date form is not used by inference servers)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _is_number(value: Any) -> TypeGuard[int | float]:

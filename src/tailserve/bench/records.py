@@ -36,6 +36,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     http_status: int | None = None
+    retry_after_s: float | None = None
     error_kind: str | None = None
     error_message: str | None = None
     server_timings: dict[str, float] | None = None

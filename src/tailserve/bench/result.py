@@ -179,6 +179,7 @@ def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: Be
     client = result["client"]
     if client and client["bottleneck"]:
         out.append("THE CLIENT IS THE BOTTLENECK: " + "; ".join(client["reasons"]))
+    out += client["notes"] if client else []
     for name, summary in result["metrics"].items():
         if (
             name in ("ttft_s", "tpot_s", "e2e_s")
