@@ -159,11 +159,24 @@ def test_capacity_ramps_then_bisects() -> None:
 
 def test_capacity_when_nothing_passes_or_the_client_limits() -> None:
     calls: list[float] = []
-    best, _, _ = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0, 2.0, 0.05), fake_probe(0.0, calls)))
-    assert best is None and calls[0] == 1.0 and all(c < 1.0 for c in calls[1:])
+    best, _, note = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0, 2.0, 0.05), fake_probe(0.0, calls)))
+    assert best is None and calls == [1.0, 0.5, 0.25, 0.125] and note and "misses the SLOs" in note
+    # The start rate fails but a lower one passes: step down, then bisect.
+    calls = []
+    best, _, note = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0, 2.0, 0.05), fake_probe(0.3, calls)))
+    assert calls[:3] == [1.0, 0.5, 0.25] and best is not None and 0.285 <= best <= 0.3 and note is None
     best, _, note = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0), fake_probe(100.0, [])))
-    assert best == 8.0 and note and "max-rate" in note
+    assert best == 8.0 and note and "rate-max" in note
     best, _, note = asyncio.run(
         find_capacity(CapacitySearch(1.0, 64.0), fake_probe(100.0, [], bottleneck_from=4.0))
     )
     assert best == 2.0 and note and "client" in note
+
+
+def test_progress_line_shows_live_p99s() -> None:
+    from tailserve.bench.runner import progress_line
+
+    records = [make_record(i, i * 0.1, 0.2 if i < 99 else 1.0, 0.01, 5) for i in range(100)]
+    line = progress_line(records, 12.0, 3)
+    assert "sent 100 done 100 err 0 in-flight 3" in line
+    assert "p99 TTFT 0.200s" in line and "TPOT 10.0ms" in line

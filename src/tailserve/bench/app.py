@@ -47,6 +47,7 @@ from tailserve.bench.tokenizers import PromptTokenizer, load_tokenizer
 from tailserve.bench.trace import load_trace
 from tailserve.bench.workload import (
     PRESETS,
+    Preset,
     WorkloadGenerator,
     WorkloadSpec,
     build_conversations,
@@ -173,7 +174,7 @@ def settings_from_args(
     )
 
 
-def _arrival_from_args(args: argparse.Namespace, preset: Any) -> ArrivalSpec:
+def _arrival_from_args(args: argparse.Namespace, preset: Preset | None) -> ArrivalSpec:
     if args.trace:
         if args.trace_speed <= 0:
             raise BenchConfigError("--trace-speed must be > 0")

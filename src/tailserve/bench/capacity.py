@@ -13,6 +13,9 @@ from typing import Any
 
 from tailserve.bench.errors import BenchConfigError
 
+# When the start rate already fails, try this many lower rates (each / growth) before giving up.
+_MAX_DOWN_STEPS = 3
+
 
 @dataclass(frozen=True)
 class CapacitySearch:
@@ -76,12 +79,18 @@ async def find_capacity(
 ) -> tuple[float | None, list[CapacityPoint], str | None]:
     """Return (highest passing rate or None, every probe in order, why the search stopped early or None)."""
     points: list[CapacityPoint] = []
+
+    async def run(rate: float) -> CapacityPoint:
+        point = await probe(rate)
+        points.append(point)
+        return point
+
     passed_at: float | None = None
     failed_at: float | None = None
     rate = search.start_rate
-    while True:
-        point = await probe(rate)
-        points.append(point)
+    # Ramp up while passing (or down, a few steps, while even the start rate fails).
+    for _ in range(64):
+        point = await run(rate)
         if point.status != "complete":
             return passed_at, points, f"probe at {rate:g} req/s {point.status}"
         if point.client_bottleneck:
@@ -90,28 +99,34 @@ async def find_capacity(
                 points,
                 f"the client could not keep up at {rate:g} req/s; result is a lower bound",
             )
-        if not point.passed:
+        if point.passed:
+            passed_at = rate
+            if failed_at is not None:
+                break
+            if rate >= search.max_rate:
+                return passed_at, points, f"still passing at --rate-max {search.max_rate:g} req/s"
+            rate = min(rate * search.growth, search.max_rate)
+        else:
             failed_at = rate
-            break
-        passed_at = rate
-        if rate >= search.max_rate:
-            return passed_at, points, f"still passing at --max-rate {search.max_rate:g} req/s"
-        rate = min(rate * search.growth, search.max_rate)
-    lo = passed_at if passed_at is not None else 0.0
-    hi = failed_at
+            if passed_at is not None:
+                break
+            if len(points) > _MAX_DOWN_STEPS:
+                return None, points, f"even {rate:g} req/s misses the SLOs"
+            rate /= search.growth
+    assert passed_at is not None and failed_at is not None
+    lo, hi = passed_at, failed_at
     for _ in range(search.max_bisections):
         if hi - lo <= search.tolerance * hi:
             break
         mid = (lo + hi) / 2
-        point = await probe(mid)
-        points.append(point)
+        point = await run(mid)
         if point.status != "complete":
-            return passed_at, points, f"probe at {mid:g} req/s {point.status}"
+            return lo, points, f"probe at {mid:g} req/s {point.status}"
         if point.passed and not point.client_bottleneck:
-            lo = passed_at = mid
+            lo = mid
         else:
             hi = mid
-    return passed_at, points, None
+    return lo, points, None
 
 
 def capacity_section(

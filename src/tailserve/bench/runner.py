@@ -372,18 +372,23 @@ def _rate(times: list[float]) -> float | None:
 
 
 def progress_line(records: list[RequestRecord], elapsed_s: float, in_flight: int) -> str:
-    """`[  12s] sent 120 done 110 err 0 in-flight 10 | p99 TTFT 0.231s TPOT 12.1ms E2E 1.20s`."""
+    """`[    12s] sent 120 done 110 err 0 in-flight 10 | p99 TTFT 0.231s TPOT 12.1ms E2E 1.200s`."""
     done = [r for r in records if r.done_s is not None and r.phase != "cancelled"]
     ok = [r for r in done if r.ok]
-
-    def p99(values: list[float | None]) -> float | None:
-        data = sorted(v for v in values if v is not None)
-        return nearest_rank(data, 99.0) if data else None
-
-    ttft, tpot, e2e = p99([r.ttft_s for r in ok]), p99([r.tpot_s for r in ok]), p99([r.e2e_s for r in ok])
-    fmt = lambda v, scale, unit: "-" if v is None else f"{v * scale:.{1 if scale > 1 else 3}f}{unit}"  # noqa: E731
+    ttft = _live_p99([r.ttft_s for r in ok])
+    tpot = _live_p99([r.tpot_s for r in ok])
+    e2e = _live_p99([r.e2e_s for r in ok])
     return (
         f"[{elapsed_s:6.0f}s] sent {len(records)} done {len(done)} err {len(done) - len(ok)} "
-        f"in-flight {in_flight} | p99 TTFT {fmt(ttft, 1, 's')} TPOT {fmt(tpot, 1000, 'ms')} "
-        f"E2E {fmt(e2e, 1, 's')}   "
+        f"in-flight {in_flight} | p99 TTFT {_live(ttft, 1, 's')} TPOT {_live(tpot, 1000, 'ms')} "
+        f"E2E {_live(e2e, 1, 's')}   "
     )
+
+
+def _live_p99(values: list[float | None]) -> float | None:
+    data = sorted(v for v in values if v is not None)
+    return nearest_rank(data, 99.0) if data else None
+
+
+def _live(value: float | None, scale: float, unit: str) -> str:
+    return "-" if value is None else f"{value * scale:.{1 if scale > 1 else 3}f}{unit}"

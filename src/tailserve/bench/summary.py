@@ -210,9 +210,10 @@ def format_capacity(capacity: dict[str, Any]) -> str:
         f"{'goodput':>8} {'errors':>7}  verdict"
     ]
     for p in sorted(capacity["points"], key=lambda p: p["rate_per_s"]):
+        tpot = "-" if p["tpot_p99_s"] is None else fmt_num(p["tpot_p99_s"], 1000) + "ms"
         lines.append(
-            f"{p['rate_per_s']:13.2f} {fmt_num(p['achieved_rate_per_s']):>9} {fmt_num(p['ttft_p99_s']):>9} "
-            f"{fmt_num(p['tpot_p99_s'], 1000):>7}ms {fmt_num(p['e2e_p99_s']):>8} {fmt_num(p['goodput_per_s']):>8} "
+            f"{p['rate_per_s']:13.4g} {fmt_num(p['achieved_rate_per_s']):>9} {fmt_num(p['ttft_p99_s']):>9} "
+            f"{tpot:>9} {fmt_num(p['e2e_p99_s']):>8} {fmt_num(p['goodput_per_s']):>8} "
             f"{fmt_num(p['error_rate']):>7}  {'PASS' if p['passed'] else 'FAIL'}"
             + ("  (client bottleneck)" if p.get("client_bottleneck") else "")
         )
