@@ -1,0 +1,342 @@
+"""Router placement policies on the same seeded workloads: hash vs least_load vs prefix.
+
+For each workload and policy: three fresh `tailserve serve` replicas (small KV pool, one thread
+each), a fresh `tailserve route`, Poisson arrivals from a small async httpx client. Reports P99
+TTFT/TPOT (nearest rank, client clock) and the replicas' prefix-cache hit rate (from their /metrics).
+
+    .venv/bin/python benchmarks/router_policies.py            # both workloads, all three policies
+    .venv/bin/python benchmarks/router_policies.py --workload hot_key --requests 200 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("hash", "least_load", "prefix")
+WORKLOADS = ("hot_key", "shared_system_prompt")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of a workload: when to send it and what."""
+
+    at_s: float
+    user: str
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Sample:
+    """What the client measured for one request."""
+
+    ok: bool
+    ttft_s: float = math.nan
+    tpot_s: float = math.nan
+    e2e_s: float = math.nan
+    output_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class PolicyResult:
+    """One (workload, policy) run."""
+
+    workload: str
+    policy: str
+    requests: int
+    errors: int
+    p50_ttft_s: float
+    p99_ttft_s: float
+    p50_tpot_s: float
+    p99_tpot_s: float
+    p99_e2e_s: float
+    prefix_hit_rate: float  # replicas' prefix-cache hits / queries (tokens), over the run
+    per_replica_requests: list[int] = field(default_factory=list)
+    decisions: dict[str, float] = field(default_factory=dict)
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of the raw values (the project's one definition)."""
+    data = sorted(v for v in values if not math.isnan(v))
+    if not data:
+        return math.nan
+    return data[max(0, math.ceil(q / 100 * len(data)) - 1)]
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words = []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))))
+    return " ".join(words)[:chars]
+
+
+def poisson_times(rng: random.Random, n: int, rate: float) -> list[float]:
+    """Arrival offsets of a Poisson process at `rate` per second."""
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def hot_key_jobs(seed: int, n: int, rate: float, args: argparse.Namespace) -> list[Job]:
+    """A few keys send most requests: user 0 half of them, user 1 a fifth, 18 others the rest.
+
+    Each user has its own conversation prefix, so the same key also means the same prompt prefix.
+    """
+    rng = random.Random(seed)
+    users = [f"user-{i}" for i in range(20)]
+    weights = [0.5, 0.2] + [0.3 / 18] * 18
+    history = {u: _text(rng, args.prefix_chars) for u in users}
+    jobs = []
+    for at_s in poisson_times(rng, n, rate):
+        user = rng.choices(users, weights)[0]
+        prompt = history[user] + "\nQ: " + _text(rng, rng.randint(40, 160))
+        jobs.append(Job(at_s, user, prompt, rng.randint(args.min_tokens, args.max_tokens)))
+    return jobs
+
+
+def shared_prompt_jobs(seed: int, n: int, rate: float, args: argparse.Namespace) -> list[Job]:
+    """Several tenants, each with a long system prompt shared by all of its (many) users."""
+    rng = random.Random(seed)
+    systems = [_text(rng, args.system_chars) for _ in range(args.tenants)]
+    jobs = []
+    for i, at_s in enumerate(poisson_times(rng, n, rate)):
+        tenant = rng.randrange(args.tenants)
+        prompt = systems[tenant] + "\nUser: " + _text(rng, rng.randint(40, 160))
+        jobs.append(Job(at_s, f"tenant-{tenant}-user-{i}", prompt, rng.randint(8, 24)))
+    return jobs
+
+
+async def send(client: httpx.AsyncClient, url: str, model: str, job: Job) -> Sample:
+    """Stream one completion; TTFT at the first chunk with a choice, TPOT from the usage count."""
+    body = {
+        "model": model,
+        "prompt": job.prompt,
+        "max_tokens": job.max_tokens,
+        "user": job.user,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    ttft_s = math.nan
+    tokens = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return Sample(False, error=f"HTTP {response.status_code}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if math.isnan(ttft_s) and '"choices":[{' in line.replace(" ", ""):
+                    ttft_s = time.perf_counter() - started
+                if '"error"' in line:
+                    return Sample(False, error=line[:200])
+                if '"usage"' in line:
+                    usage = json.loads(line[6:]).get("usage") or {}
+                    tokens = int(usage.get("completion_tokens") or tokens)
+    except httpx.HTTPError as exc:
+        return Sample(False, error=repr(exc))
+    e2e_s = time.perf_counter() - started
+    tpot_s = (e2e_s - ttft_s) / (tokens - 1) if tokens > 1 else math.nan
+    return Sample(True, ttft_s, tpot_s, e2e_s, tokens)
+
+
+async def run_jobs(url: str, model: str, jobs: list[Job]) -> list[Sample]:
+    """Send every job at its arrival time, concurrently (an open loop: arrivals never wait)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def at(job: Job) -> Sample:
+            await asyncio.sleep(max(0.0, job.at_s - (time.perf_counter() - start)))
+            return await send(client, url, model, job)
+
+        return list(await asyncio.gather(*(at(job) for job in jobs)))
+
+
+def free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of a /metrics page, plus labelled ones under their full sample name."""
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Namespace) -> PolicyResult:
+    """Fresh replicas and router, one run, then the numbers."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    *replica_ports, router_port = free_ports(4)
+    tailserve = [sys.executable, "-m", "tailserve.cli"]
+    replicas = [
+        subprocess.Popen(
+            [*tailserve, "serve", "--model", args.model, "--port", str(p), "--log-level", "warning"]
+            + ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
+            + ["--max-waiting", "100000", "--slo-ttft", "1000"],  # measure queueing, do not shed it
+            env=env,
+            cwd=ROOT,
+        )
+        for p in replica_ports
+    ]
+    replica_urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
+    router_url = f"http://127.0.0.1:{router_port}"
+    procs = list(replicas)
+    try:
+        for url, proc in zip(replica_urls, replicas, strict=True):
+            wait_ready(url, proc)
+        cmd = [*tailserve, "route", "--policy", policy, "--port", str(router_port), "--log-level", "warning"]
+        for url in replica_urls:
+            cmd += ["--replica", url]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
+        wait_ready(router_url, procs[-1])
+        model = httpx.get(router_url + "/v1/models").json()["data"][0]["id"]
+        before = [scrape(u) for u in replica_urls]
+        samples = asyncio.run(run_jobs(router_url, model, jobs))
+        after = [scrape(u) for u in replica_urls]
+        router_metrics = scrape(router_url)
+    finally:
+        stop(procs)
+
+    def delta(name: str, i: int) -> float:
+        return after[i].get(name, 0.0) - before[i].get(name, 0.0)
+
+    hits = sum(delta("tailserve_prefix_cache_hits_total", i) for i in range(3))
+    queries = sum(delta("tailserve_prefix_cache_queries_total", i) for i in range(3))
+    finished = [
+        int(sum(v for k, v in after[i].items() if k.startswith("tailserve_requests_finished_total")))
+        - int(sum(v for k, v in before[i].items() if k.startswith("tailserve_requests_finished_total")))
+        for i in range(3)
+    ]
+    decisions = {k: v for k, v in router_metrics.items() if k.startswith("tailserve_router_decisions_total")}
+    good = [s for s in samples if s.ok]
+    return PolicyResult(
+        workload=workload,
+        policy=policy,
+        requests=len(samples),
+        errors=len(samples) - len(good),
+        p50_ttft_s=nearest_rank([s.ttft_s for s in good], 50),
+        p99_ttft_s=nearest_rank([s.ttft_s for s in good], 99),
+        p50_tpot_s=nearest_rank([s.tpot_s for s in good], 50),
+        p99_tpot_s=nearest_rank([s.tpot_s for s in good], 99),
+        p99_e2e_s=nearest_rank([s.e2e_s for s in good], 99),
+        prefix_hit_rate=hits / queries if queries else math.nan,
+        per_replica_requests=finished,
+        decisions=decisions,
+    )
+
+
+def markdown(results: list[PolicyResult]) -> str:
+    rows = [
+        "| workload | policy | requests | errors | P50 TTFT ms | P99 TTFT ms | P50 TPOT ms | P99 TPOT ms "
+        "| P99 E2E s | prefix hit rate | requests per replica |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.workload} | {r.policy} | {r.requests} | {r.errors} | {r.p50_ttft_s * 1e3:.0f} "
+            f"| {r.p99_ttft_s * 1e3:.0f} | {r.p50_tpot_s * 1e3:.1f} | {r.p99_tpot_s * 1e3:.1f} "
+            f"| {r.p99_e2e_s:.2f} | {r.prefix_hit_rate:.1%} | {r.per_replica_requests} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--model", default="dummy:tiny")
+    parser.add_argument("--kv-cache-memory", default="1MiB", help="per replica: small, so load matters")
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=300, help="per run (hot_key)")
+    parser.add_argument("--rate", type=float, default=10.0, help="requests/s (hot_key)")
+    parser.add_argument("--prefix-chars", type=int, default=300, help="per-user history (hot_key)")
+    parser.add_argument("--min-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shared-requests", type=int, default=240)
+    parser.add_argument("--shared-rate", type=float, default=8.0)
+    parser.add_argument("--tenants", type=int, default=6)
+    parser.add_argument("--system-chars", type=int, default=600)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+
+    workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+    results = []
+    for workload in workloads:
+        if workload == "hot_key":
+            jobs = hot_key_jobs(args.seed, args.requests, args.rate, args)
+        else:
+            jobs = shared_prompt_jobs(args.seed, args.shared_requests, args.shared_rate, args)
+        for policy in args.policies.split(","):
+            result = run_policy(workload, policy, jobs, args)
+            print(markdown([result]).splitlines()[-1], flush=True)
+            results.append(result)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+    print(f"\n{datetime.now(UTC):%Y-%m-%d} on {machine}; command: {' '.join(sys.argv)}\n")
+    print(markdown(results))
+    if args.out:
+        args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
