@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("bandwidth", "decode", "offline", "transformers", "online")
 GIB = 1 << 30
+_RUN_OVERHEAD_S = 5.0  # bench start-up and result writing, per online run
 T0 = time.perf_counter()
 
 
@@ -101,7 +102,7 @@ QUICK = Plan(
     online_lengths=("--input-len", "uniform:32,64", "--output-len", "uniform:8,16"),
     online_duration_s=4.0,
     online_warmup_s=1.0,
-    online_tail_s=30.0,
+    online_tail_s=10.0,
     server_start_timeout_s=120.0,
     hf_timeout_s=240.0,
     reserve_online_s=60.0,
@@ -237,14 +238,13 @@ def section_bandwidth(rec: dict[str, Any], device: torch.device, plan: Plan) -> 
 
 # ----- building tailserve in-process --------------------------------------------------------
 def make_loaded(spec: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """The model's weights; dummy weights are drawn on the GPU directly (the CPU draw of 8B takes ~1 min).
-
-    Same shapes, names, scale and byte tokenizer as the dummy loader."""
+    """The model's weights; dummy weights are drawn on the device directly (the CPU draw of 8B takes
+    over a minute). Same shapes, names, scale and byte tokenizer as the dummy loader."""
     from tailserve.model.arch import ArchConfig, preset
     from tailserve.model.loader import LoadedModel, hf_weight_shapes, load_model
     from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
 
-    if device.type != "cuda" or not spec.startswith("dummy:"):
+    if not spec.startswith("dummy:"):
         return load_model(spec, dtype)
     start = time.perf_counter()
     name = spec.removeprefix("dummy:")
@@ -302,6 +302,13 @@ class InProcess:
 
 
 def build_in_process(args: argparse.Namespace, plan: Plan, device: torch.device) -> InProcess:
+    """tailserve's LLM, checked with one tiny generation, plus decode graphs.
+
+    On CPU (--quick) the graph runner runs its static padded path eagerly, so the smoke run covers
+    the same code. If the Triton backend cannot run (e.g. no C compiler for its launcher), the
+    portable backend takes over and the failure is recorded."""
+    from tailserve.engine import SamplingParams
+    from tailserve.model.attention import TorchPagedAttention
     from tailserve.model.cuda_graphs import DecodeGraphRunner
 
     start = time.perf_counter()
@@ -316,18 +323,30 @@ def build_in_process(args: argparse.Namespace, plan: Plan, device: torch.device)
         "block_size": runner.block_size,
         "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
     }
+    smoke = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    try:
+        llm.generate([[5, 6, 7, 8, 9]], smoke)
+    except Exception as exc:
+        if runner.backend.name != "triton":
+            raise
+        info["triton_error"] = f"{type(exc).__name__}: {exc}"
+        info["triton_traceback"] = traceback.format_exc()[-3000:]
+        log(f"Triton backend failed ({info['triton_error']}); continuing with the portable backend")
+        runner.backend = TorchPagedAttention()
+        info["attention_backend"] = runner.backend.name
+        llm.generate([[5, 6, 7, 8, 9]], smoke)
     eager = runner.execute
     graphs = None
-    if device.type == "cuda":
-        try:
-            graphs = DecodeGraphRunner(runner, batch_sizes=plan.graph_batches)
-            info["graph_capture_s"] = round(graphs.capture(), 2)
-            info["graph_batch_sizes"] = list(graphs.batch_sizes)
-        except Exception as exc:  # noqa: BLE001 - eager still measures
-            info["graph_error"] = f"{type(exc).__name__}: {exc}"
-            info["graph_traceback"] = traceback.format_exc()[-3000:]
-            graphs = None
-            log(f"CUDA graph capture failed, eager only: {info['graph_error']}")
+    try:
+        graphs = DecodeGraphRunner(runner, batch_sizes=plan.graph_batches)
+        info["graph_capture_s"] = round(graphs.capture(), 2)
+        info["graph_batch_sizes"] = list(graphs.batch_sizes)
+        info["graphs_captured"] = graphs.use_graphs
+    except Exception as exc:  # noqa: BLE001 - eager still measures
+        info["graph_error"] = f"{type(exc).__name__}: {exc}"
+        info["graph_traceback"] = traceback.format_exc()[-3000:]
+        graphs = None
+        log(f"CUDA graph capture failed, eager only: {info['graph_error']}")
     if device.type == "cuda":
         info["gpu_allocated_gib"] = round(torch.cuda.memory_allocated(device) / GIB, 2)
     ip = InProcess(llm, graphs, eager, info)
@@ -441,7 +460,9 @@ def section_offline(rec: dict[str, Any], ip: InProcess, plan: Plan, suite: Suite
     llm.generate(
         [p[:32] for p in prompts[:8]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     )
-    modes = [("cuda_graphs", True), ("eager", False)] if ip.graphs is not None else [("eager", False)]
+    modes = [("eager", False)]
+    if ip.graphs is not None:  # graphs first: the eager comparison is the optional one
+        modes.insert(0, ("cuda_graphs" if ip.graphs.use_graphs else "static_padded_no_graphs", True))
     for name, graphs_on in modes:
         if rec["runs"] and suite.remaining_s() < reserve_s + 60:  # the eager comparison is optional
             rec["runs"][name] = {"skipped": f"{suite.remaining_s():.0f} s of budget left"}
@@ -478,6 +499,7 @@ def section_transformers(
         "input": list(plan.offline_input),
         "output": plan.offline_output,
         "memory_fraction": plan.hf_memory_fraction,
+        "max_batch_tokens": plan.max_num_batched_tokens,
         "attn": args.hf_attn,
     }
     spec_path, out_path = tmp / "hf_spec.json", tmp / "hf_out.json"
@@ -593,6 +615,7 @@ def hf_worker(spec_path: Path, out_path: Path) -> int:
             wanted = {
                 "use_cuda_graph": device.type == "cuda",
                 "max_memory_percent": spec["memory_fraction"],
+                "max_batch_tokens": spec["max_batch_tokens"],  # the same per-step budget as tailserve's
                 "allow_block_sharing": False,
             }
             cb_kwargs = {k: v for k, v in wanted.items() if k in names}
@@ -723,12 +746,16 @@ def section_online(
     }
     log(f"server ready ({(server.ready_s or 0) - server.started_s:.0f} s after start)")
     rates = list(plan.online_rates)
+    # As many rates as fit with at least a third of the planned duration each, lowest rates first.
+    min_duration = max(3.0, plan.online_duration_s / 3)
+    fit = int((suite.remaining_s() - 10) // (min_duration + plan.online_tail_s + _RUN_OVERHEAD_S))
+    fit = max(0, min(len(rates), fit))
     for i, rate in enumerate(rates):
         run: dict[str, Any] = {"rate_per_s": rate}
         rec["runs"].append(run)
-        per_run = suite.remaining_s() / (len(rates) - i) - 5
-        duration = min(plan.online_duration_s, per_run - plan.online_tail_s)
-        if duration < max(3.0, plan.online_duration_s / 3):
+        slot = (suite.remaining_s() - 10) / max(fit - i, 1) - _RUN_OVERHEAD_S
+        duration = min(plan.online_duration_s, slot - plan.online_tail_s)
+        if i >= fit or duration < min_duration:
             run["skipped"] = f"{suite.remaining_s():.0f} s of budget left"
             log(f"online rate {rate}: skipped")
             continue
@@ -750,7 +777,7 @@ def section_online(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
         try:
-            output, _ = proc.communicate(timeout=duration + plan.online_tail_s)
+            output, _ = proc.communicate(timeout=duration + plan.online_tail_s + _RUN_OVERHEAD_S)
         except subprocess.TimeoutExpired:
             # Ctrl-C: bench stops, cancels what is in flight and still writes what it measured.
             run["interrupted"] = "in-flight requests outlived the run's time slot; cancelled"
@@ -814,7 +841,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             )
         }
     runs = s.get("offline", {}).get("runs", {})
-    ours = runs.get("cuda_graphs") or runs.get("eager") or {}
+    ours: dict[str, Any] = next((r for r in runs.values() if "output_tokens_per_s" in r), {})
     theirs = s.get("transformers", {})
     out["offline_output_tok_s"] = {
         "tailserve": ours.get("output_tokens_per_s"),

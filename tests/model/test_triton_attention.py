@@ -1,20 +1,28 @@
-"""The Triton backend's kernels, run by Triton's CPU interpreter, equal the portable torch backend in fp32.
+"""The Triton backend equals the portable torch backend in fp32 (within 1e-4).
 
-Tiny shapes; cases cover grouped-query heads, contexts ending on and across block boundaries,
-split-K decode with its reduction, and prefill chunks on top of a cached prefix.
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before the
+kernels are defined); with CUDA they are compiled. Tiny shapes; cases cover grouped-query heads,
+contexts ending on and across block boundaries, split-K decode with its reduction, and prefill
+chunks on top of a cached prefix.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-
-import random
-from dataclasses import dataclass
-
-import pytest
 import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    # Read when a kernel is defined, i.e. when tailserve.model.triton_attention is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+_IMPORTED_EARLY = "tailserve.model.triton_attention" in sys.modules
+
+import random  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
 
@@ -25,8 +33,12 @@ from tailserve.model.sampler import SamplingSpec  # noqa: E402
 from tailserve.model.transformer import TransformerLM  # noqa: E402
 from tailserve.model.triton_attention import TritonPagedAttention  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("TRITON_INTERPRET=1 must be set before triton is first imported", allow_module_level=True)
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+if not ON_CUDA and (_IMPORTED_EARLY or os.environ.get("TRITON_INTERPRET") != "1"):
+    pytest.skip(
+        "without CUDA the kernels need TRITON_INTERPRET=1 before tailserve.model.triton_attention is imported",
+        allow_module_level=True,
+    )
 
 
 def _interpreter_numpy24_fix() -> None:
@@ -46,7 +58,8 @@ def _interpreter_numpy24_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-_interpreter_numpy24_fix()
+if not ON_CUDA:
+    _interpreter_numpy24_fix()
 
 TOL = 1e-4
 
@@ -81,7 +94,7 @@ def _build(
             ctx = torch.arange(total)
             ctx_slots = torch.tensor(table)[ctx // page] * page + ctx % page if s.cached else None
             mask = ctx[None, :] <= torch.arange(s.cached, total)[:, None] if s.cached else None
-            spans.append(PrefillSpan(qsl[-1], s.new, total, ctx_slots, mask))
+            spans.append(PrefillSpan(qsl[-1], s.new, total, _dev(ctx_slots), _dev(mask)))
         qsl.append(qsl[-1] + s.new)
     max_blocks = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
@@ -91,19 +104,24 @@ def _build(
     dec_blocks = -(-int(dec_lens.max()) // page) if d else 0
     span = torch.arange(dec_blocks * page)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
         num_decodes=d,
-        decode_block_tables=padded[:d, :dec_blocks],
-        decode_context_lens=dec_lens,
-        decode_key_mask=(span[None, :] < dec_lens[:, None])[:, None, None, :],
-        decode_slots=padded[:d, span // page] * page + span % page,
+        decode_block_tables=padded[:d, :dec_blocks].to(DEVICE),
+        decode_context_lens=dec_lens.to(DEVICE),
+        decode_key_mask=(span[None, :] < dec_lens[:, None])[:, None, None, :].to(DEVICE),
+        decode_slots=(padded[:d, span // page] * page + span % page).to(DEVICE),
         prefills=spans,
         block_size=page,
-        query_start_loc=torch.tensor(qsl, dtype=torch.long),
-        seq_lens=seq_lens,
-        block_tables=padded,
+        query_start_loc=torch.tensor(qsl, dtype=torch.long, device=DEVICE),
+        seq_lens=seq_lens.to(DEVICE),
+        block_tables=padded.to(DEVICE),
     )
+    pool = pool.to(DEVICE)
     return pool[0], pool[1], meta
+
+
+def _dev(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEVICE)
 
 
 def _is_decode(s: Seq) -> bool:
@@ -123,9 +141,7 @@ def _compare(
     k_cache, v_cache, meta = _build(seqs, kv_heads, dim, page, num_blocks, seed)
     tokens = sum(s.new for s in seqs)
     gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn((tokens, heads, dim), generator=gen)
-    k = torch.randn((tokens, kv_heads, dim), generator=gen)
-    v = torch.randn((tokens, kv_heads, dim), generator=gen)
+    q, k, v = (torch.randn((tokens, h, dim), generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads))
     scale = dim**-0.5
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     want = TorchPagedAttention().forward(q, k, v, ref_k, ref_v, meta, scale)
@@ -180,11 +196,11 @@ def test_mixed_batch_decodes_then_prefills() -> None:
 
 def test_padding_slots_are_skipped() -> None:
     """A slot of -1 writes nothing (CUDA-graph padding rows)."""
-    k_cache = torch.zeros((16, 2, 16))
-    v_cache = torch.zeros((16, 2, 16))
-    k = torch.randn((3, 2, 16))
-    v = torch.randn((3, 2, 16))
-    TritonPagedAttention.write_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    k_cache = torch.zeros((16, 2, 16), device=DEVICE)
+    v_cache = torch.zeros((16, 2, 16), device=DEVICE)
+    k = torch.randn((3, 2, 16), device=DEVICE)
+    v = torch.randn((3, 2, 16), device=DEVICE)
+    TritonPagedAttention.write_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 0], device=DEVICE))
     assert torch.equal(k_cache[5], k[0]) and torch.equal(v_cache[0], v[2])
     assert int((k_cache.abs().sum((1, 2)) > 0).sum()) == 2
 
@@ -194,7 +210,7 @@ def test_runner_logits_match_torch_backend() -> None:
     loaded = load_model("dummy:tiny", torch.float32)
     page = 8
     runners = [
-        ModelRunner(TransformerLM(loaded.arch, loaded.weights, 256), 32, page, torch.device("cpu"), backend=b)
+        ModelRunner(TransformerLM(loaded.arch, loaded.weights, 256).to(DEVICE), 32, page, DEVICE, backend=b)
         for b in (TorchPagedAttention(), SPLITTING)
     ]
     prompts = [list(range(3, 22)), list(range(40, 48)), list(range(100, 103))]
@@ -227,7 +243,7 @@ def test_static_graph_metadata_matches_torch_backend() -> None:
     loaded = load_model("dummy:tiny", torch.float32)
     page = 8
     eager, wrapped = (
-        ModelRunner(TransformerLM(loaded.arch, loaded.weights, 128), 16, page, torch.device("cpu"), backend=b)
+        ModelRunner(TransformerLM(loaded.arch, loaded.weights, 128).to(DEVICE), 16, page, DEVICE, backend=b)
         for b in (TorchPagedAttention(), SPLITTING)
     )
     graphs = DecodeGraphRunner(wrapped, batch_sizes=(4,), max_context=128)
