@@ -791,6 +791,7 @@ def section_online(
             continue
         run |= bench_summary(json.loads(result_path.read_text()))
         run["result_file"] = str(result_path)
+        suite.save()
         log(
             f"online rate {rate}/s: P99 TTFT {run.get('p99_ttft_s')} s, P99 TPOT {run.get('p99_tpot_ms')} ms, "
             f"SLOs {'pass' if run.get('slo_all_pass') else 'FAIL'}"
@@ -894,7 +895,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="global time budget (default 7.5 min)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="global time budget (default 7 min: stopping children and the server can add ~30 s)",
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--hf-attn", default="paged|sdpa", help="transformers attn_implementation")
