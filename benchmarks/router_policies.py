@@ -70,6 +70,8 @@ class PolicyResult:
     p99_tpot_s: float
     p99_e2e_s: float
     prefix_hit_rate: float  # replicas' prefix-cache hits / queries (tokens), over the run
+    max_e2e_s: float = math.nan
+    preemptions: int = 0
     per_replica_requests: list[int] = field(default_factory=list)
     decisions: dict[str, float] = field(default_factory=dict)
 
@@ -279,6 +281,8 @@ def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Names
         p99_tpot_s=nearest_rank([s.tpot_s for s in good], 99),
         p99_e2e_s=nearest_rank([s.e2e_s for s in good], 99),
         prefix_hit_rate=hits / queries if queries else math.nan,
+        max_e2e_s=max((s.e2e_s for s in good), default=math.nan),
+        preemptions=int(sum(delta("tailserve_preemptions_total", i) for i in range(3))),
         per_replica_requests=finished,
         decisions=decisions,
     )
@@ -287,14 +291,15 @@ def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Names
 def markdown(results: list[PolicyResult]) -> str:
     rows = [
         "| workload | policy | requests | errors | P50 TTFT ms | P99 TTFT ms | P50 TPOT ms | P99 TPOT ms "
-        "| P99 E2E s | prefix hit rate | requests per replica |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| P99 E2E s | max E2E s | preemptions | prefix hit rate | requests per replica |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         rows.append(
             f"| {r.workload} | {r.policy} | {r.requests} | {r.errors} | {r.p50_ttft_s * 1e3:.0f} "
             f"| {r.p99_ttft_s * 1e3:.0f} | {r.p50_tpot_s * 1e3:.1f} | {r.p99_tpot_s * 1e3:.1f} "
-            f"| {r.p99_e2e_s:.2f} | {r.prefix_hit_rate:.1%} | {r.per_replica_requests} |"
+            f"| {r.p99_e2e_s:.2f} | {r.max_e2e_s:.2f} | {r.preemptions} | {r.prefix_hit_rate:.1%} "
+            f"| {r.per_replica_requests} |"
         )
     return "\n".join(rows)
 

@@ -230,3 +230,23 @@ def _wait_for(condition: object, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return bool(condition())
+
+
+def test_client_disconnect_mid_stream_releases_the_replica(
+    fakes: list[Fake], make_router: RouterFactory
+) -> None:
+    release = threading.Event()  # never set while the client reads: the replica holds the stream
+    for fake in fakes:
+        fake.behavior.hold_after_first = release
+    router = make_router([f.url for f in fakes])
+    body = {"model": "fake", "prompt": "p", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=20) as response:
+        replica = response.headers["x-tailserve-replica"]
+        lines = response.iter_lines()  # kept referenced: dropping it would close the response early
+        assert next(lines).startswith("data: ")
+        assert _metric(router.url, "tailserve_router_replica_in_flight", replica=replica) == 1
+    # The client went away: the router closes its upstream stream and forgets the request.
+    assert _wait_for(
+        lambda: _metric(router.url, "tailserve_router_replica_in_flight", replica=replica) == 0, 10
+    )
+    release.set()

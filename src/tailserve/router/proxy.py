@@ -143,7 +143,9 @@ class Forwarder:
         try:
             upstream = await self._client.send(request, stream=True)
         except httpx.TransportError as exc:
-            if not isinstance(exc, httpx.TimeoutException) or isinstance(exc, httpx.ConnectTimeout):
+            # A refused connection means the replica is gone. Other early errors (a keep-alive
+            # connection the replica closed as we sent, a slow answer) are retried but not held against it.
+            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
                 self._pool.take_out(replica, f"connection failed: {exc!r}")
             self._finish(replica, started_s, "connect_error")
             return Failure("connect_error", f"{replica.url}: {exc!r}")
@@ -157,7 +159,8 @@ class Forwarder:
                 handed_over = True
             return result
         except (httpx.TransportError, MalformedStream) as exc:
-            self._pool.take_out(replica, f"broke before output: {exc!r}")
+            if isinstance(exc, MalformedStream):
+                self._pool.take_out(replica, f"broke before output: {exc!r}")
             status = "stream_error"
             return Failure(status, f"{replica.url}: response broke before any output ({exc!r})")
         finally:
@@ -225,7 +228,8 @@ class Forwarder:
                 done = is_done(event)
         except (httpx.TransportError, MalformedStream) as exc:
             status = "stream_error"
-            self._pool.take_out(replica, f"stream broke: {exc!r}")
+            if isinstance(exc, MalformedStream):
+                self._pool.take_out(replica, f"stream broke: {exc!r}")
             yield error_events("the replica serving this request failed mid-stream")
         finally:
             await upstream.aclose()
