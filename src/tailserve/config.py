@@ -29,6 +29,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context, capped at 8192
     served_model_name: str | None = None
     seed: int = 0  # for dummy weights
+    enforce_eager: bool = False  # no CUDA graphs
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")

@@ -57,7 +57,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
-        self._queued_prompt_tokens = 0
+        self._pending: list[tuple[int, float]] = []
         self._lock = threading.Lock()
 
     async def start(self) -> None:
@@ -120,8 +120,7 @@ class AsyncEngine:
 
     def estimate_wait_s(self, num_prompt_tokens: int) -> float:
         """Predicted queue wait plus prefill for a new request, from the last step's snapshot."""
-        s = self._stats
-        return self.engine.timer.estimate_s(self._queued_prompt_tokens + num_prompt_tokens, s.num_running)
+        return self.engine.estimate_wait_s(num_prompt_tokens, self._pending, self._stats.num_running)
 
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -195,7 +194,5 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         engine = self.engine
-        self._queued_prompt_tokens = sum(r.num_uncomputed_tokens for r in engine.scheduler.waiting) + sum(
-            r.num_uncomputed_tokens for r in engine.scheduler.running if r.num_uncomputed_tokens > 1
-        )
+        self._pending = engine.pending_prefills()
         self._stats = engine.stats()

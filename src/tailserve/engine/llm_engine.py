@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -73,9 +74,12 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, cc.block_size, self.device, backend=_pick_backend(self.device)
         )
+        self.execute = self.runner.execute
+        if self.runner.backend.name == "triton" and not mc.enforce_eager:
+            self.execute = self._capture_decode_graphs()
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.timer = StepTimer(budget_tokens=config.scheduler.max_num_batched_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.timer)
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self._rng = torch.Generator().manual_seed(mc.seed)
@@ -121,6 +125,19 @@ class LLMEngine:
                 f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; give it more memory"
             )
         return int(num_blocks)
+
+    def _capture_decode_graphs(self) -> Callable[[list[SeqChunk]], list[int | None]]:
+        """CUDA graphs for decode steps at a ladder of batch sizes; eager if capture fails."""
+        from tailserve.model.cuda_graphs import DecodeGraphRunner
+
+        try:
+            graphs = DecodeGraphRunner(self.runner, max_context=self.max_model_len)
+            seconds = graphs.capture()
+        except Exception:
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            return self.runner.execute
+        log.info("captured decode CUDA graphs for batch sizes %s in %.2f s", graphs.batch_sizes, seconds)
+        return graphs.execute
 
     # ----- requests -------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -199,7 +216,7 @@ class LLMEngine:
             return []
         chunks = [self._chunk(req, n) for req, n in plan.scheduled]
         start = time.monotonic()
-        sampled = self.runner.execute(chunks)
+        sampled = self.execute(chunks)
         now = time.monotonic()
         self.timer.record(plan, now - start)
         outputs: list[RequestOutput] = []
@@ -290,11 +307,24 @@ class LLMEngine:
             steps_total=self.timer.steps,
         )
 
-    def estimate_wait_s(self, num_prompt_tokens: int) -> float:
-        """Predicted time before a new request's first token: queued prompt work ahead of it plus its own."""
-        queued = sum(r.num_uncomputed_tokens for r in self.scheduler.waiting)
-        queued += sum(r.num_uncomputed_tokens for r in self.scheduler.running if r.num_uncomputed_tokens > 1)
-        return self.timer.estimate_s(queued + num_prompt_tokens, len(self.scheduler.running))
+    def pending_prefills(self) -> list[tuple[int, float]]:
+        """(prompt tokens still to compute, TTFT deadline) of every request not yet decoding."""
+        ttft = self.config.scheduler.slo_ttft_s
+        reqs = [*self.scheduler.waiting, *(r for r in self.scheduler.running if r.num_uncomputed_tokens > 1)]
+        return [(r.num_uncomputed_tokens, r.timings.arrival + ttft) for r in reqs]
+
+    def estimate_wait_s(
+        self,
+        num_prompt_tokens: int,
+        pending: list[tuple[int, float]] | None = None,
+        num_running: int | None = None,
+    ) -> float:
+        """Predicted time to a new request's first token: the prefill work the policy puts ahead of it, plus its own."""
+        pending = self.pending_prefills() if pending is None else pending
+        running = len(self.scheduler.running) if num_running is None else num_running
+        ahead = self.scheduler.policy.tokens_ahead(pending, num_prompt_tokens, time.monotonic())
+        cap = self.scheduler.policy.prefill_cap(running, self.config.scheduler.max_num_batched_tokens)
+        return self.timer.estimate_s(ahead + num_prompt_tokens, running, per_step_tokens=cap)
 
 
 def _pick_backend(device: torch.device) -> AttentionBackend | None:

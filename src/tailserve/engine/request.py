@@ -193,8 +193,3 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def deadline(self) -> float:
-        """Set by the SLO policy; FCFS orders by seq_no."""
-        return self.timings.arrival

@@ -1,8 +1,8 @@
 """Per-step plan: which requests run and how many tokens each, under one token budget.
 
-Running requests go first (decodes, then unfinished prompt chunks); waiting requests are prefilled
-in chunks with what remains, so a long prompt never takes more than the budget left in a step.
-When blocks run out, the lowest-priority running request is preempted by recompute.
+Decodes go first; prompts are then prefilled in chunks, in the policy's order and under its cap,
+with what remains, so a long prompt never takes more than its chunk in a step. When blocks run out,
+the policy's victim is preempted by recompute and requeued ahead of newer arrivals.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.policy import SchedulePolicy, make_policy
 from tailserve.engine.request import Request, RequestStatus
+from tailserve.engine.stats import StepTimer
 
 
 @dataclass
@@ -22,18 +24,25 @@ class StepPlan:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_decodes: int = 0
+    prefill_cap: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
+
 
 class Scheduler:
     """Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, timer: StepTimer | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.policy: SchedulePolicy = make_policy(config, timer or StepTimer(), kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -48,50 +57,67 @@ class Scheduler:
     def step_plan(self) -> StepPlan:
         """Decide this step's batch; allocates the blocks it needs."""
         plan = StepPlan()
+        scheduled: set[str] = set()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
-            if n <= 0:
-                i += 1
-                continue
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is req:
-                    break
+        for req in [r for r in self.running if r.num_uncomputed_tokens == 1]:
+            if budget == 0:
+                break
             if req.status is not RequestStatus.RUNNING:
-                continue  # it was its own victim; the list shrank past it
+                continue  # preempted earlier in this step to make room
+            if self._reserve(req, 1, plan, scheduled):
+                plan.scheduled.append((req, 1))
+                scheduled.add(req.request_id)
+                budget -= 1
+        plan.num_decodes = len(plan.scheduled)
+        plan.prefill_cap = self.policy.prefill_cap(plan.num_decodes, budget)
+        left = min(budget, plan.prefill_cap)
+        now = time.monotonic()
+        candidates = [r for r in self.running if r.num_uncomputed_tokens > 1] + list(self.waiting)
+        for req in self.policy.order_prefills(candidates, now):
+            if left <= 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                n = min(req.num_uncomputed_tokens, left)
+                if not self._reserve(req, n, plan, scheduled):
+                    continue
+            else:
+                if plan.preempted or len(self.running) >= self.config.max_num_seqs:
+                    break  # the pool or the batch is full: admitting now would only preempt again
+                n = self._admit(req, left, now)
+                if n == 0:
+                    break  # not enough blocks; retried next step (ahead of anyone behind it)
             plan.scheduled.append((req, n))
-            scheduled_ids.add(req.request_id)
-            budget -= n
-            i += 1
-        if plan.preempted:
-            return plan  # the pool is short: admitting now would only preempt again
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._next_waiting()
-            if not self.kv.has(req.request_id):
-                cached = self.kv.match_prefix(req.request_id, req.token_ids)
-                req.num_computed_tokens = cached
-                if req.timings.first_scheduled is None:
-                    req.timings.cached_tokens = cached
-            n = min(req.num_uncomputed_tokens, budget)
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                break  # keeps its prefix-cache hits; retried next step
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            if req.timings.first_scheduled is None:
-                req.timings.first_scheduled = time.monotonic()
-            self.running.append(req)
-            plan.scheduled.append((req, n))
-            budget -= n
+            scheduled.add(req.request_id)
+            left -= n
         return plan
 
-    def _next_waiting(self) -> Request:
-        return self.waiting[0]
+    def _reserve(self, req: Request, n: int, plan: StepPlan, scheduled: set[str]) -> bool:
+        """Blocks for n more tokens of a running request, preempting others if needed; False if it was preempted itself."""
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            others = [r for r in self.running if r is not req and r.request_id not in scheduled]
+            victim = self.policy.pick_victim(others) if others else req
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request, left: int, now: float) -> int:
+        """Move a waiting request to running with its first chunk; 0 if its blocks don't fit."""
+        if not self.kv.has(req.request_id):
+            cached = self.kv.match_prefix(req.request_id, req.token_ids)
+            req.num_computed_tokens = cached
+            if req.timings.first_scheduled is None:
+                req.timings.cached_tokens = cached
+        n = min(req.num_uncomputed_tokens, left)
+        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            return 0  # keeps its prefix-cache hits
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        if req.timings.first_scheduled is None:
+            req.timings.first_scheduled = now
+        self.running.append(req)
+        return n
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and put it back at the head of the queue, to be recomputed."""

@@ -66,9 +66,9 @@ class StepTimer:
         per_token = max((self._xy / self._w - mx * my) / var, 0.0)
         return max(my - per_token * mx, 0.0), per_token
 
-    def estimate_s(self, tokens: int, running: int) -> float:
+    def estimate_s(self, tokens: int, running: int, per_step_tokens: int | None = None) -> float:
         """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes."""
         overhead, per_token = self.coefficients()
-        per_step = max(self.budget_tokens - running, 1)
+        per_step = max(min(per_step_tokens or self.budget_tokens, self.budget_tokens - running), 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
         return steps * (overhead + per_token * running) + tokens * per_token
