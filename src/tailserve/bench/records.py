@@ -1,10 +1,8 @@
-"""What the client observed for one request, and the per-request metrics derived from it.
+"""What the client observed for one request, and the SPEC.md metrics derived from it (seconds).
 
-Times are seconds: `sent_s` from the start of the run, chunk times from `sent_s`. Definitions follow
-SPEC.md: TTFT = sent -> first token, E2E = sent -> last token, TPOT = (E2E - TTFT) / (tokens - 1).
-ITL is per token: a chunk carrying k tokens splits the gap since the previous token-bearing chunk
-into k equal gaps; extra tokens in the first chunk arrived with the first token, so their gap is 0.
-"""
+TTFT = sent -> first token, E2E = sent -> last token, TPOT = (E2E - TTFT) / (tokens - 1). ITL is per
+token: a chunk of k tokens splits its gap since the previous token-bearing chunk into k equal gaps;
+the extra tokens of the first chunk came with the first token (gap 0)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The load generator's event loop: sends conversations on an absolute clock or from closed-loop workers.
+"""The load generator's event loop: conversations sent on an absolute clock or by closed-loop workers.
 
-Open loop: one dispatcher sleeps until `start + offset` of each conversation and starts it as a task
-(concurrent independent clients, never a single loop waiting on answers). Closed loop: `concurrency`
-workers send back to back. Ctrl-C or a fatal failure stops sending, cancels what is in flight and
-returns what was measured. The client's own health (CPU, loop lag, lateness) is measured alongside.
-"""
+Open loop: a dispatcher sleeps until `start + offset` and starts each conversation as its own task.
+Ctrl-C or a fatal failure stops sending, cancels what is in flight and returns what was measured;
+the client's own health (CPU, loop lag, lateness) is measured alongside."""
 
 from __future__ import annotations
 

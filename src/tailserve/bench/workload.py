@@ -7,7 +7,9 @@ so two runs with one seed send the same prompts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -31,48 +33,50 @@ class Preset:
     warmup_s: float
 
 
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "chat",
-            "chat: input 512-2048, output 256-1024, 100 concurrent users (field range 50-200)",
-            "uniform:512,2048",
-            "uniform:256,1024",
-            ArrivalSpec(kind="closed", concurrency=100),
-            duration_s=300.0,
-            warmup_s=30.0,
-        ),
-        Preset(
-            "code",
-            "code completion: input 1024-4096, output 128-512, 32 concurrent users (field range 10-50)",
-            "uniform:1024,4096",
-            "uniform:128,512",
-            ArrivalSpec(kind="closed", concurrency=32),
-            duration_s=300.0,
-            warmup_s=30.0,
-        ),
-        Preset(
-            "summarize",
-            "summarization: input 4096-8192, output 256-512, 50 concurrent users (field range 20-100)",
-            "uniform:4096,8192",
-            "uniform:256,512",
-            ArrivalSpec(kind="closed", concurrency=50),
-            duration_s=300.0,
-            warmup_s=30.0,
-        ),
-        Preset(
-            "cpu-chat",
-            "chat scaled for a 2-core CPU serving a ~135M model: input lognormal median 200 with 5% "
-            "at ~1500, output 32-128, Poisson 1 req/s",
-            "longtail:200,1500,0.05,0.5",
-            "uniform:32,128",
-            ArrivalSpec(kind="poisson", rate_per_s=1.0),
-            duration_s=120.0,
-            warmup_s=15.0,
-        ),
-    )
-}
+PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            Preset(
+                "chat",
+                "chat: input 512-2048, output 256-1024, 100 concurrent users (field range 50-200)",
+                "uniform:512,2048",
+                "uniform:256,1024",
+                ArrivalSpec(kind="closed", concurrency=100),
+                duration_s=300.0,
+                warmup_s=30.0,
+            ),
+            Preset(
+                "code",
+                "code completion: input 1024-4096, output 128-512, 32 concurrent users (field range 10-50)",
+                "uniform:1024,4096",
+                "uniform:128,512",
+                ArrivalSpec(kind="closed", concurrency=32),
+                duration_s=300.0,
+                warmup_s=30.0,
+            ),
+            Preset(
+                "summarize",
+                "summarization: input 4096-8192, output 256-512, 50 concurrent users (field range 20-100)",
+                "uniform:4096,8192",
+                "uniform:256,512",
+                ArrivalSpec(kind="closed", concurrency=50),
+                duration_s=300.0,
+                warmup_s=30.0,
+            ),
+            Preset(
+                "cpu-chat",
+                "chat scaled for a 2-core CPU serving a ~135M model: input lognormal median 200 with 5% "
+                "at ~1500, output 32-128, Poisson 1 req/s",
+                "longtail:200,1500,0.05,0.5",
+                "uniform:32,128",
+                ArrivalSpec(kind="poisson", rate_per_s=1.0),
+                duration_s=120.0,
+                warmup_s=15.0,
+            ),
+        )
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks, cc.block_size, self.device, backend=_pick_backend(self.device)
         )
-        self.execute = self.runner.execute
+        self.execute: Callable[[list[SeqChunk]], list[int | None]] = self.runner.execute
         if self.runner.backend.name == "triton" and not mc.enforce_eager:
             self.execute = self._capture_decode_graphs()
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
