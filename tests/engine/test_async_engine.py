@@ -32,13 +32,15 @@ async def _wait_idle(engine: AsyncEngine) -> None:
     raise AssertionError(f"engine not idle: {engine.stats()}")
 
 
-def test_streams_match_offline_and_aborts_free_blocks(smol: LoadedModel) -> None:
+def test_streams_deliver_every_token_and_aborts_free_blocks(smol: LoadedModel) -> None:
     async def main() -> None:
         engine = AsyncEngine(_config(), loaded=smol)
         await engine.start()
         tok = engine.tokenizer
         greedy = SamplingParams(max_tokens=12, temperature=0.0)
-        prompts = [tok.encode(p) for p in ("The sun rises in the", "Water is made of", "The best way to learn is")]
+        prompts = [
+            tok.encode(p) for p in ("The sun rises in the", "Water is made of", "The best way to learn is")
+        ]
 
         async def collect(rid: str, ids: list[int]) -> tuple[str, list[str], str | None]:
             pieces, reason = [], None
@@ -49,7 +51,7 @@ def test_streams_match_offline_and_aborts_free_blocks(smol: LoadedModel) -> None
             return final, pieces, reason
 
         results = await asyncio.gather(*(collect(f"s{i}", p) for i, p in enumerate(prompts)))
-        for (final, pieces, reason), ids in zip(results, prompts, strict=True):
+        for final, pieces, reason in results:
             assert "".join(pieces) == final and reason == "length"
             assert len(pieces) == 12  # one output per generated token, as produced
 

@@ -40,13 +40,17 @@ def test_same_seed_same_output_regardless_of_batch(llm: LLM) -> None:
     alone = llm.generate(["Once upon a time"], params)[0].token_ids
     batched = llm.generate(["Once upon a time", "The weather today", "In a distant land"], params)
     assert batched[0].token_ids == alone
-    other = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99))
+    other = llm.generate(
+        ["Once upon a time"], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99)
+    )
     assert other[0].token_ids != alone
 
 
 def test_top_k_one_is_greedy(llm: LLM) -> None:
     greedy = llm.generate(["The capital of Italy is"], SamplingParams(max_tokens=8, temperature=0.0))
-    top1 = llm.generate(["The capital of Italy is"], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=5))
+    top1 = llm.generate(
+        ["The capital of Italy is"], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=5)
+    )
     assert greedy[0].token_ids == top1[0].token_ids
 
 
@@ -56,7 +60,9 @@ def test_stop_string_is_cut_and_not_emitted(llm: LLM) -> None:
     assert "," in free
     stop = free.split(",")[1].strip()  # a word the model will produce
     engine = llm.engine
-    engine.add_request("stop", engine.tokenizer.encode(prompt), SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,)))
+    engine.add_request(
+        "stop", engine.tokenizer.encode(prompt), SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))
+    )
     streamed, final = "", None
     while engine.has_unfinished():
         for out in engine.step():
@@ -68,13 +74,19 @@ def test_stop_string_is_cut_and_not_emitted(llm: LLM) -> None:
 
 
 def test_eos_stops_and_max_tokens_gives_length(llm: LLM) -> None:
-    chat = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=40, temperature=0.0), chat=True)[0]
+    chat = llm.generate(
+        ["What is the capital of France?"], SamplingParams(max_tokens=40, temperature=0.0), chat=True
+    )[0]
     assert chat.finish_reason == "stop" and "Paris" in chat.text
-    capped = llm.generate(["Tell me a long story."], SamplingParams(max_tokens=3, temperature=0.0), chat=True)[0]
+    capped = llm.generate(
+        ["Tell me a long story."], SamplingParams(max_tokens=3, temperature=0.0), chat=True
+    )[0]
     assert capped.finish_reason == "length" and len(capped.token_ids) == 3
     assert capped.timings is not None and len(capped.timings.token_times) == 3
     ignoring = llm.generate(
-        ["What is the capital of France?"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), chat=True
+        ["What is the capital of France?"],
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        chat=True,
     )[0]
     assert ignoring.finish_reason == "length" and len(ignoring.token_ids) == 20
 
@@ -113,7 +125,9 @@ def test_bad_requests_raise_before_taking_blocks(llm: LLM) -> None:
     assert engine.kv.num_free_blocks == free and not engine.has_unfinished()
 
 
-def test_unreadable_or_unsupported_models_raise_typed_errors(tmp_path: object, engine_config: Callable[..., EngineConfig]) -> None:
+def test_unreadable_or_unsupported_models_raise_typed_errors(
+    tmp_path: object, engine_config: Callable[..., EngineConfig]
+) -> None:
     import json
     from pathlib import Path
 

@@ -1,0 +1,122 @@
+"""Scheduling policies on scripted arrivals: the prefill cap holds, short prompts are not stuck behind a
+long one under `slo`, tokens are the same as `fcfs`, and nothing starves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tailserve.engine import LLMEngine, SamplingParams
+from tailserve.engine.policy import FcfsPolicy, SloPolicy
+from tailserve.engine.stats import StepTimer
+from tailserve.model.loader import LoadedModel
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@dataclass
+class StepLog:
+    num_decodes: int
+    prefill_tokens: int
+    cap: int
+
+
+def _engine(
+    smol: LoadedModel, policy: str, slo_ttft_s: float = 100.0, slo_tpot_s: float = 0.001
+) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=1024),
+        cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=128, policy=policy, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s
+        ),
+    )
+    return LLMEngine(config, loaded=smol)
+
+
+def _scripted_run(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, int], list[StepLog]]:
+    """Two short requests decode; a long prompt lands; three more short ones land one step later."""
+    tok = engine.tokenizer
+    shorts = [tok.encode(f"Question {i}: name a color.") for i in range(5)]
+    long_prompt = tok.encode("The history of the city, told slowly. " * 60)[:600]
+    engine.add_request("s0", shorts[0], GREEDY)
+    engine.add_request("s1", shorts[1], GREEDY)
+    tokens: dict[str, list[int]] = {}
+    first_token_step: dict[str, int] = {}
+    log: list[StepLog] = []
+    step = 0
+    while engine.has_unfinished() or step < 3:
+        if step == 2:
+            engine.add_request("long", long_prompt, GREEDY)
+        if step == 3:
+            for i in (2, 3, 4):
+                engine.add_request(f"s{i}", shorts[i], GREEDY)
+        outs = engine.step()
+        plan = engine.last_plan
+        assert plan is not None
+        log.append(StepLog(plan.num_decodes, plan.num_prefill_tokens, plan.prefill_cap))
+        for out in outs:
+            first_token_step.setdefault(out.request_id, step)
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        step += 1
+    return tokens, first_token_step, log
+
+
+def test_slo_caps_prefill_serves_short_prompts_first_same_tokens(smol: LoadedModel) -> None:
+    slo_tokens, slo_first, slo_log = _scripted_run(_engine(smol, "slo"))
+    fcfs_tokens, fcfs_first, fcfs_log = _scripted_run(_engine(smol, "fcfs"))
+    assert slo_tokens == fcfs_tokens  # scheduling changes when, never what
+    decode_steps = [s for s in slo_log if s.num_decodes > 0]
+    assert decode_steps and all(s.prefill_tokens <= s.cap for s in decode_steps)
+    assert any(s.cap < 128 - s.num_decodes for s in decode_steps)  # the cap really bound
+    late_shorts = ("s2", "s3", "s4")
+    assert all(slo_first[s] < slo_first["long"] for s in late_shorts)
+    # The baseline shows why: under FCFS the long prompt, first in line, delays the late arrivals.
+    assert all(fcfs_first[s] >= fcfs_first["long"] for s in late_shorts)
+    assert any(s.num_decodes > 0 and s.prefill_tokens > 16 for s in fcfs_log)
+
+
+def test_slo_long_prompt_does_not_starve_under_stream_of_short_ones() -> None:
+    config = EngineConfig(
+        model=ModelConfig(model="dummy:tiny", device="cpu"),
+        cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="slo", slo_ttft_s=0.3, max_num_seqs=256),
+    )
+    engine = LLMEngine(config)
+    engine.add_request("long", [7] * 400, SamplingParams(max_tokens=1, temperature=0.0))
+    got_first = False
+    for step in range(20000):
+        for i in range(10):  # 10 x 8 prompt tokens per step: more than the budget
+            engine.add_request(f"s{step}-{i}", [5 + i] * 8, SamplingParams(max_tokens=1, temperature=0.0))
+        if any(o.request_id == "long" for o in engine.step()):
+            got_first = True
+            break
+    assert got_first, "the long prompt starved"
+    assert engine.has_unfinished()  # the short stream was still going when it got through
+
+
+def test_slo_policy_orders_and_estimates_as_documented() -> None:
+    timer = StepTimer(budget_tokens=256)
+    config = SchedulerConfig(policy="slo", slo_ttft_s=2.0, slo_tpot_s=0.05)
+    slo = SloPolicy(config, timer, block_size=16)
+    assert slo.prefill_cap(num_decodes=4, budget=252) == 252  # no timing yet: no cap
+
+    class Plan:
+        num_tokens = 100
+
+    for seconds in (0.011, 0.021, 0.016):  # a step model: 1 ms + 0.1 ms/token
+        Plan.num_tokens = round((seconds - 0.001) / 0.0001)
+        timer.record(Plan, seconds)
+    overhead, per_token = timer.coefficients()
+    assert abs(overhead - 0.001) < 1e-6 and abs(per_token - 0.0001) < 1e-8
+    # 50 ms TPOT target: (0.05 - 0.001) / 0.0001 = 490 tokens per step, minus 10 decodes.
+    assert slo.prefill_cap(num_decodes=10, budget=246) == 246
+    assert slo.prefill_cap(num_decodes=10, budget=1000) in (479, 480)  # float rounding
+    tight = SloPolicy(SchedulerConfig(policy="slo", slo_tpot_s=0.001), timer, block_size=16)
+    assert tight.prefill_cap(num_decodes=10, budget=1000) == 16  # never below one block
+    # A newcomer waits for urgent and shorter prompts only, not for a long one with slack.
+    now = 1000.0
+    pending = [(1000, now + 10.0), (30, now + 10.0), (500, now + 0.01)]
+    assert slo.tokens_ahead(pending, 50, now) == 30 + 500
+    assert FcfsPolicy().tokens_ahead(pending, 50, now) == 1530
