@@ -67,12 +67,12 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             Preset(
                 "cpu-chat",
                 "chat scaled for a 2-core CPU serving a ~135M model: input lognormal median 200 with 5% "
-                "at ~1500, output 32-128, Poisson 1 req/s",
+                "at ~1500, output 32-128, Poisson 0.25 req/s (~20 output tok/s offered; docs/BENCH.md)",
                 "longtail:200,1500,0.05,0.5",
                 "uniform:32,128",
-                ArrivalSpec(kind="poisson", rate_per_s=1.0),
-                duration_s=120.0,
-                warmup_s=15.0,
+                ArrivalSpec(kind="poisson", rate_per_s=0.25),
+                duration_s=300.0,
+                warmup_s=30.0,
             ),
         )
     }
