@@ -104,3 +104,14 @@ def test_closed_loop_honours_retry_after(fake_server: FakeServerProcess) -> None
     assert all(r.retry_after_s == 0.3 and r.http_status == 429 for r in records)
     sent = sorted(r.sent_s for r in records)
     assert all(b - a >= 0.3 for a, b in zip(sent, sent[1:], strict=False))
+
+
+def test_fatal_abort_stops_a_capped_open_loop(fake_server: FakeServerProcess) -> None:
+    # The dispatcher is blocked waiting for a free slot when the abort comes: it must stop too.
+    fake_server.script([{**FAST, "malformed": "garbage"}])
+    result, records = run_bench(
+        ["--base-url", fake_server.url, "--arrival", "constant", "--rate", "50", "-n", "200", "--max-concurrency", "1",
+         "--warmup", "0", "--no-progress"]
+    )  # fmt: skip
+    assert result["status"] == "aborted" and "malformed_sse" in result["abort_reason"]
+    assert 5 <= len(records) < 10

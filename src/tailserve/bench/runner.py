@@ -155,20 +155,18 @@ class Runner:
 
     async def _send_all(self, http: httpx.AsyncClient, state: _RunState, run_start: float) -> None:
         if self.conversations is not None:
-            await self._dispatch_open_loop(http, state, run_start, self.conversations)
+            senders = [
+                asyncio.create_task(self._dispatch_open_loop(http, state, run_start, self.conversations))
+            ]
         else:
-            workers = [
+            senders = [
                 asyncio.create_task(self._closed_loop_worker(http, state, run_start))
                 for _ in range(self.control.concurrency)
             ]
-            await self._wait_or_stop(state, workers)
-            return
-        await self._wait_or_stop(state, list(state.in_flight))
+        await self._wait_or_stop(state, senders)
 
     async def _wait_or_stop(self, state: _RunState, tasks: list[asyncio.Task[None]]) -> None:
-        """Wait for `tasks`; on a stop (Ctrl-C, fatal abort) cancel everything still running."""
-        if not tasks:
-            return
+        """Wait for `tasks` and every request they start; on a stop (Ctrl-C, fatal abort) cancel all."""
         stopper: asyncio.Task[Any] = asyncio.create_task(state.stop.wait())
         pending: set[asyncio.Task[Any]] = set(tasks)
         while pending and not state.stop.is_set():
@@ -190,10 +188,7 @@ class Runner:
             due = run_start + (plan.offset_s or 0.0)
             delay = due - time.perf_counter()
             if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(state.stop.wait(), timeout=delay)
-            if state.stop.is_set():
-                return
+                await asyncio.sleep(delay)  # a stop cancels this task, waits included
             if limit is not None:
                 await limit.acquire()
             task = asyncio.create_task(self._conversation(http, state, run_start, plan, limit))
