@@ -71,8 +71,8 @@ def test_result_document_is_complete_and_redacted() -> None:
 def test_cdf_points_keep_the_tail() -> None:
     values = [float(i) for i in range(10_000)]
     pts = cdf_points(values)
-    assert len(pts) <= 500
-    assert pts[-1] == (9999.0, 1.0)
+    assert len(pts) <= 501
+    assert pts[0] == (0.0, 0.0) and pts[-1] == (9999.0, 1.0)
     assert sum(1 for v, _ in pts if v >= 9900) == 100
 
 

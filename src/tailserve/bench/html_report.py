@@ -120,7 +120,8 @@ def cdf_points(values: list[float]) -> list[tuple[float, float]]:
         else set(range(n))
     )
     keep |= set(range(max(0, n - _CDF_TAIL_POINTS), n))
-    return [(data[i], (i + 1) / n) for i in sorted(keep)]
+    # Start the step at 0 on the smallest value, so even a single request draws a visible step.
+    return [(data[0], 0.0)] + [(data[i], (i + 1) / n) for i in sorted(keep)]
 
 
 def _cdf_charts(ok: list[RequestRecord]) -> list[Chart]:
@@ -277,7 +278,10 @@ def _attribution_html(att: dict[str, Any] | None) -> str:
 
 
 def _capacity_section(capacity: dict[str, Any]) -> str:
-    points = sorted(capacity["points"], key=lambda p: p["rate_per_s"])
+    # An interrupted or aborted probe measured nothing worth a point on the curve.
+    points = sorted(
+        (p for p in capacity["points"] if p["status"] == "complete"), key=lambda p: p["rate_per_s"]
+    )
     latency = Chart(
         "P99 latency vs request rate",
         "offered rate (req/s)",
@@ -300,7 +304,13 @@ def _capacity_section(capacity: dict[str, Any]) -> str:
         [
             Series("goodput", [(p["rate_per_s"], p["goodput_per_s"] or 0.0) for p in points]),
             Series(
-                "achieved", [(p["rate_per_s"], p["achieved_rate_per_s"] or 0.0) for p in points], dashed=True
+                "achieved",
+                [
+                    (p["rate_per_s"], p["achieved_rate_per_s"])
+                    for p in points
+                    if p["achieved_rate_per_s"] is not None
+                ],
+                dashed=True,
             ),
         ],
     )

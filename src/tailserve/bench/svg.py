@@ -12,6 +12,7 @@ from html import escape
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f")
 _MARGIN_LEFT, _MARGIN_RIGHT, _MARGIN_TOP, _MARGIN_BOTTOM = 64, 16, 44, 44
+_MARKED_POINTS = 30
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,11 @@ def _series(box: _Box, s: Series, color: str) -> str:
     else:
         d = "M" + "L".join(f"{x:.1f},{y:.1f}" for x, y in pts)
     dash = ' stroke-dasharray="5,3"' if s.dashed else ""
-    return f'<path class="series" d="{d}" fill="none" stroke="{color}" stroke-width="1.6"{dash}/>'
+    path = f'<path class="series" d="{d}" fill="none" stroke="{color}" stroke-width="1.6"{dash}/>'
+    if s.style == "line" and len(pts) <= _MARKED_POINTS:
+        # Few points (a capacity curve): mark each measured one, the lines between are not data.
+        path += "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts)
+    return path
 
 
 def _band(box: _Box, band: Band) -> str:
