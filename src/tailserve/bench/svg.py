@@ -173,18 +173,15 @@ def _series(box: _Box, s: Series, color: str) -> str:
         return f'<g class="series" fill="{color}" fill-opacity="0.55">{dots}</g>'
     if s.style == "step":
         # Post-step: each value holds until the next x, then jumps to the next value.
-        path = [f"M{pts[0][0]:.1f},{pts[0][1]:.1f}"]
-        for x, y in pts[1:]:
-            path.append(f"H{x:.1f}V{y:.1f}")
-        d = "".join(path)
+        d = f"M{pts[0][0]:.1f},{pts[0][1]:.1f}" + "".join(f"H{x:.1f}V{y:.1f}" for x, y in pts[1:])
     else:
         d = "M" + "L".join(f"{x:.1f},{y:.1f}" for x, y in pts)
     dash = ' stroke-dasharray="5,3"' if s.dashed else ""
-    path = f'<path class="series" d="{d}" fill="none" stroke="{color}" stroke-width="1.6"{dash}/>'
+    svg = f'<path class="series" d="{d}" fill="none" stroke="{color}" stroke-width="1.6"{dash}/>'
     if s.style == "line" and len(pts) <= _MARKED_POINTS:
         # Few points (a capacity curve): mark each measured one, the lines between are not data.
-        path += "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts)
-    return path
+        svg += "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts)
+    return svg
 
 
 def _band(box: _Box, band: Band) -> str:
