@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from tailserve.bench.tokenizers import load_tokenizer
 from tailserve.cli import build_parser
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 class FakeServerProcess:
@@ -60,3 +62,45 @@ def run_bench(argv: list[str]) -> tuple[dict[str, Any], list[RequestRecord]]:
     settings = settings_from_args(args)
     tokenizer = load_tokenizer(args.tokenizer)
     return asyncio.run(run_once(settings, tokenizer, PromptSource(tokenizer)))
+
+
+def make_record(
+    index: int,
+    sent_s: float,
+    ttft_s: float,
+    itl_s: float,
+    tokens: int,
+    error: str | None = None,
+    timings: dict[str, float] | None = None,
+) -> RequestRecord:
+    """A successful request with one token per chunk, or a failed one when `error` is set."""
+    r = RequestRecord(index, index, 0, tokens, 10, scheduled_s=sent_s, sent_s=sent_s)
+    if error:
+        r.error_kind, r.error_message, r.done_s = error, "boom", 0.01
+        return r
+    r.chunk_times_s = [ttft_s + i * itl_s for i in range(tokens)]
+    r.chunk_tokens = [1] * tokens
+    r.output_tokens, r.input_tokens = tokens, 10
+    r.done_s = r.chunk_times_s[-1] + 0.001
+    r.server_timings = timings
+    return r
+
+
+def render_in_chromium(page: Path, tmp_path: Path) -> tuple[str, Path]:
+    """Dump the rendered DOM and take a screenshot of `page` with headless Chromium."""
+    assert CHROMIUM is not None
+    flags = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+    ]  # fmt: skip
+    dom = subprocess.run(
+        [*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
+    ).stdout
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1400,3000", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
+    assert shot.exists(), "chromium took no screenshot"
+    return dom, shot

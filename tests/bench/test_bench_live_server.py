@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tailserve.cli import main
-from tests.bench.test_report import CHROMIUM, render_in_chromium
+from tests.bench.conftest import CHROMIUM, render_in_chromium
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tailserve.server.cli") is None, reason="tailserve.server has not landed"

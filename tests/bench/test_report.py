@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,9 +19,7 @@ from tailserve.bench.runner import ClientHealth, RunControl, RunOutcome
 from tailserve.bench.stats import SloTargets
 from tailserve.bench.summary import format_capacity, format_compare, format_summary
 from tailserve.cli import main
-from tests.bench.test_stats import make_record
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+from tests.bench.conftest import CHROMIUM, make_record, render_in_chromium
 
 
 def constructed_result(scale: float = 1.0, capacity: bool = False) -> tuple[dict, list[RequestRecord]]:
@@ -95,26 +91,6 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert dom.count("<svg") == 9
     assert "Latency CDFs" in dom and "Capacity curve" in dom
     assert shot.stat().st_size > 10_000  # a real picture, not a blank page
-
-
-def render_in_chromium(page: Path, tmp_path: Path) -> tuple[str, Path]:
-    """Dump the rendered DOM and take a screenshot of `page` with headless Chromium."""
-    assert CHROMIUM is not None
-    flags = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-    ]  # fmt: skip
-    dom = subprocess.run(
-        [*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
-    ).stdout
-    shot = tmp_path / "report.png"
-    subprocess.run(
-        [*flags, f"--screenshot={shot}", "--window-size=1400,3000", page.as_uri()],
-        capture_output=True,
-        timeout=120,
-    )
-    assert shot.exists(), "chromium took no screenshot"
-    return dom, shot
 
 
 def test_compare_prints_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

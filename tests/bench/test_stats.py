@@ -17,28 +17,7 @@ from tailserve.bench.stats import (
     throughput,
     windows,
 )
-
-
-def make_record(
-    index: int,
-    sent_s: float,
-    ttft_s: float,
-    itl_s: float,
-    tokens: int,
-    error: str | None = None,
-    timings: dict[str, float] | None = None,
-) -> RequestRecord:
-    """A successful request with one token per chunk, or a failed one when `error` is set."""
-    r = RequestRecord(index, index, 0, tokens, 10, scheduled_s=sent_s, sent_s=sent_s)
-    if error:
-        r.error_kind, r.error_message, r.done_s = error, "boom", 0.01
-        return r
-    r.chunk_times_s = [ttft_s + i * itl_s for i in range(tokens)]
-    r.chunk_tokens = [1] * tokens
-    r.output_tokens, r.input_tokens = tokens, 10
-    r.done_s = r.chunk_times_s[-1] + 0.001
-    r.server_timings = timings
-    return r
+from tests.bench.conftest import make_record
 
 
 def test_nearest_rank_matches_the_definition() -> None:
