@@ -101,13 +101,13 @@ def poisson_times(rng: random.Random, n: int, rate: float) -> list[float]:
 
 
 def hot_key_jobs(seed: int, n: int, rate: float, args: argparse.Namespace) -> list[Job]:
-    """A few keys send most requests: user 0 half of them, user 1 a fifth, 18 others the rest.
+    """A few keys send most requests: user 0 `--hot-share` of them, user 1 `--warm-share`, 18 others the rest.
 
     Each user has its own conversation prefix, so the same key also means the same prompt prefix.
     """
     rng = random.Random(seed)
     users = [f"user-{i}" for i in range(20)]
-    weights = [0.5, 0.2] + [0.3 / 18] * 18
+    weights = [args.hot_share, args.warm_share] + [(1 - args.hot_share - args.warm_share) / 18] * 18
     history = {u: _text(rng, args.prefix_chars) for u in users}
     jobs = []
     for at_s in poisson_times(rng, n, rate):
@@ -177,15 +177,19 @@ async def run_jobs(url: str, model: str, jobs: list[Job]) -> list[Sample]:
         return list(await asyncio.gather(*(at(job) for job in jobs)))
 
 
-def free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in ports:
-            ports.append(port)
-    return ports
+def free_ports(n: int, base: int) -> list[int]:
+    """The first n consecutive free ports from `base`: fixed URLs keep `hash` placements the same per run."""
+    port = base
+    while True:
+        run = list(range(port, port + n))
+        try:
+            for p in run:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", p))
+        except OSError:
+            port += n
+            continue
+        return run
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
@@ -227,7 +231,7 @@ def scrape(url: str) -> dict[str, float]:
 def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Namespace) -> PolicyResult:
     """Fresh replicas and router, one run, then the numbers."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    *replica_ports, router_port = free_ports(4)
+    *replica_ports, router_port = free_ports(4, args.base_port)
     tailserve = [sys.executable, "-m", "tailserve.cli"]
     replicas = [
         subprocess.Popen(
@@ -312,6 +316,11 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="1MiB", help="per replica: small, so load matters")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--base-port", type=int, default=18200, help="replicas on 3 consecutive ports from here"
+    )
+    parser.add_argument("--hot-share", type=float, default=0.6, help="user 0's share of requests (hot_key)")
+    parser.add_argument("--warm-share", type=float, default=0.15, help="user 1's share (hot_key)")
     parser.add_argument("--requests", type=int, default=300, help="per run (hot_key)")
     parser.add_argument("--rate", type=float, default=10.0, help="requests/s (hot_key)")
     parser.add_argument("--prefix-chars", type=int, default=300, help="per-user history (hot_key)")
