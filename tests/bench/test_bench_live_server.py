@@ -102,6 +102,8 @@ def test_bench_run_against_live_server(live_server: str, tmp_path: Path) -> None
     assert all(r["output_tokens"] == r["requested_output_tokens"] for r in rows)
     assert doc["output_length"]["token_sources"] == {"usage": doc["counts"]["ok"]}
     assert doc["attribution"] is not None and doc["attribution"]["slowest_count"] >= 1
+    # Half the requests share a 16-token system prefix: the server reports cached prompt tokens.
+    assert doc["prefix_cache"]["requests_reporting"] == doc["counts"]["ok"]
     html = out.with_suffix(".html")
     assert html.exists()
     if CHROMIUM:

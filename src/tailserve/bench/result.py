@@ -149,6 +149,7 @@ def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]
         "attribution": asdict(attribution) if attribution else None,
         "client": asdict(outcome.client) if outcome.client else None,
         "output_length": _output_length(ok),
+        "prefix_cache": _prefix_cache(ok),
         "capacity": None,
     }
     result["warnings"] = _warnings(result, records, settings)
@@ -166,6 +167,14 @@ def _output_length(ok: list[RequestRecord]) -> dict[str, Any]:
         "short_fraction": short / len(ok),
         "token_sources": dict(Counter(r.output_tokens_source for r in ok)),
     }
+
+
+def _prefix_cache(ok: list[RequestRecord]) -> dict[str, Any]:
+    """Share of prompt tokens the server reported as served from its prefix cache (usage details)."""
+    reported = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.input_tokens for r in reported)
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    return {"requests_reporting": len(reported), "cached_token_fraction": cached / prompt if prompt else None}
 
 
 def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: BenchSettings) -> list[str]:

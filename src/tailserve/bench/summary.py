@@ -68,6 +68,9 @@ def format_summary(result: dict[str, Any]) -> str:
         f"{slo['goodput_per_s']:.2f} req/s"
         + (f" ({frac:.0%} of measured requests)" if frac is not None else "")
     )
+    cache = result.get("prefix_cache") or {}
+    if cache.get("cached_token_fraction") is not None:
+        lines.append(f"prefix cache: {cache['cached_token_fraction']:.0%} of prompt tokens served from cache")
     lines.append("SLOs: " + " | ".join(_verdict_text(v) for v in slo["verdicts"]))
     by_kind = result["errors"]["by_kind"]
     lines.append("errors: " + (", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())) or "none"))
