@@ -142,6 +142,20 @@ def test_every_replica_down_is_a_prompt_503(fakes: list[Fake], make_router: Rout
     assert sum(f.behavior.served() for f in fakes) == 0
 
 
+def test_every_replica_dead_before_any_check_is_a_prompt_503(
+    fakes: list[Fake], make_router: RouterFactory
+) -> None:
+    router = make_router([f.url for f in fakes], health_interval_s=60.0)  # no check will notice
+    for fake in fakes:
+        fake.server.stop()
+    started = time.monotonic()
+    response = httpx.post(router.url + "/v1/completions", json={"prompt": "p"}, timeout=30)
+    assert time.monotonic() - started < 5  # refused connections fail fast; nothing waits on a timeout
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "all_replicas_failed"
+    assert httpx.get(router.url + "/ready").status_code == 503  # each refused connection took one out
+
+
 def test_every_replica_failing_returns_the_last_error(fakes: list[Fake], make_router: RouterFactory) -> None:
     for fake in fakes:
         fake.behavior.mode = "error_429"

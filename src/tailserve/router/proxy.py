@@ -122,9 +122,9 @@ class Forwarder:
             return failure.response
         if failure is None:
             message = "no healthy replica: every replica failed its /ready checks"
-        else:
-            message = f"every replica tried failed ({failure.message})"
-        return error_response(503, message, "no_healthy_replica", retry_after_s=1)
+            return error_response(503, message, "no_healthy_replica", retry_after_s=1)
+        message = f"every replica tried failed ({failure.message})"
+        return error_response(503, message, "all_replicas_failed", retry_after_s=1)
 
     def _finish(self, replica: Replica, started_s: float, status: str) -> None:
         """Account for one attempt (exactly once, whatever its outcome)."""
