@@ -16,7 +16,7 @@ import torch
 from tailserve.config import EngineConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams
-from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.scheduler import Scheduler, StepPlan
 from tailserve.engine.stats import EngineStats, StepTimer
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.model.attention import AttentionBackend
@@ -78,6 +78,7 @@ class LLMEngine:
         if self.runner.backend.name == "triton" and not mc.enforce_eager:
             self.execute = self._capture_decode_graphs()
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.last_plan: StepPlan | None = None  # for tests and debugging
         self.timer = StepTimer(budget_tokens=config.scheduler.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.timer)
         self._requests: dict[str, Request] = {}
@@ -212,6 +213,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and the model once; return an output per request that advanced."""
         plan = self.scheduler.step_plan()
+        self.last_plan = plan
         if not plan.scheduled:
             return []
         chunks = [self._chunk(req, n) for req, n in plan.scheduled]
@@ -319,10 +321,13 @@ class LLMEngine:
         pending: list[tuple[int, float]] | None = None,
         num_running: int | None = None,
     ) -> float:
-        """Predicted time to a new request's first token: the prefill work the policy puts ahead of it, plus its own."""
+        """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
+        plus its own. Zero when nothing is ahead: an idle server never refuses."""
         pending = self.pending_prefills() if pending is None else pending
         running = len(self.scheduler.running) if num_running is None else num_running
         ahead = self.scheduler.policy.tokens_ahead(pending, num_prompt_tokens, time.monotonic())
+        if ahead == 0:
+            return 0.0
         cap = self.scheduler.policy.prefill_cap(running, self.config.scheduler.max_num_batched_tokens)
         return self.timer.estimate_s(ahead + num_prompt_tokens, running, per_step_tokens=cap)
 

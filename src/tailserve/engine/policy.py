@@ -83,10 +83,10 @@ class SloPolicy:
     def prefill_cap(self, num_decodes: int, budget: int) -> int:
         if num_decodes == 0:
             return budget  # no stream to protect
-        overhead, per_token = self.timer.coefficients()
+        decode_step_s, per_token = self.timer.coefficients()
         if per_token <= 0:
             return budget  # no timing yet
-        room = (self.config.slo_tpot_s - overhead) / per_token - num_decodes
+        room = (self.config.slo_tpot_s - decode_step_s) / per_token
         return max(self.min_chunk, min(budget, int(room)))
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:

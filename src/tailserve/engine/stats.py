@@ -1,7 +1,7 @@
 """Engine counters for metrics, and a step-time model used to predict queue waits.
 
-The model is a decayed least-squares fit of step time = overhead + per_token x tokens, refitted
-after every step, so admission control follows the machine as it is now.
+The model keeps two moving averages, refreshed after every step: the time of a decode-only step
+(the per-step cost that every step pays) and the seconds per token of prompt-heavy steps.
 """
 
 from __future__ import annotations
@@ -34,41 +34,37 @@ class EngineStats:
 
 
 class StepTimer:
-    """Fits step seconds against tokens per step; predicts how long a backlog of tokens takes."""
+    """Predicts step times from recent steps: decode-only step seconds and prefill seconds per token."""
 
-    def __init__(self, decay: float = 0.97, budget_tokens: int = 256) -> None:
-        self.decay = decay
+    PREFILL_HEAVY_TOKENS = 32  # a step with at least this many tokens measures prefill throughput
+
+    def __init__(self, alpha: float = 0.2, budget_tokens: int = 256) -> None:
+        self.alpha = alpha
         self.budget_tokens = budget_tokens
         self.steps = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.last_step_s = 0.0
+        self._decode_step_s: float | None = None
+        self._per_token_s: float | None = None
 
     def record(self, plan: Any, seconds: float) -> None:
-        x = float(plan.num_tokens)
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + x
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + x * x
-        self._xy = d * self._xy + x * seconds
+        tokens = int(plan.num_tokens)
+        if plan.num_prefill_tokens == 0:
+            self._decode_step_s = self._ewma(self._decode_step_s, seconds)
+        if tokens >= self.PREFILL_HEAVY_TOKENS:
+            self._per_token_s = self._ewma(self._per_token_s, seconds / tokens)
         self.steps += 1
         self.last_step_s = seconds
 
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
     def coefficients(self) -> tuple[float, float]:
-        """(overhead seconds per step, seconds per token), both non-negative."""
-        if self._w == 0:
-            return 0.0, 0.0
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var <= 1e-9:
-            per_token = my / mx if mx > 0 else 0.0
-            return 0.0, max(per_token, 0.0)
-        per_token = max((self._xy / self._w - mx * my) / var, 0.0)
-        return max(my - per_token * mx, 0.0), per_token
+        """(seconds of a decode-only step, seconds per prompt token); zeros until measured."""
+        return self._decode_step_s or 0.0, self._per_token_s or 0.0
 
     def estimate_s(self, tokens: int, running: int, per_step_tokens: int | None = None) -> float:
         """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes."""
-        overhead, per_token = self.coefficients()
+        step_s, per_token = self.coefficients()
         per_step = max(min(per_step_tokens or self.budget_tokens, self.budget_tokens - running), 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
-        return steps * (overhead + per_token * running) + tokens * per_token
+        return steps * (step_s if running else 0.0) + tokens * per_token
