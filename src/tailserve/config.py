@@ -80,6 +80,11 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
         _require(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
         _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least --max-num-seqs "
+            f"({self.max_num_seqs}): every running request needs a token of budget each step",
+        )
+        _require(
             self.policy in SCHEDULE_POLICIES,
             f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.policy!r}",
         )

@@ -77,7 +77,7 @@ def test_tiny_token_budget_chunks_prefill_same_tokens(
     prompts: list[list[int]],
     reference: list[list[int]],
 ) -> None:
-    llm = LLM(config=engine_config(max_num_batched_tokens=24), loaded=smol)
+    llm = LLM(config=engine_config(max_num_batched_tokens=24, max_num_seqs=16), loaded=smol)
     assert _run(llm, prompts) == reference
     assert llm.engine.timer.steps > sum(len(p) for p in prompts) // 24  # prompts really were chunked
     _assert_pool_free(llm)
@@ -119,7 +119,7 @@ def test_tiny_pool_forces_preemption_same_tokens(
 def test_abort_mid_generation_frees_every_block(
     smol: LoadedModel, engine_config: Callable[..., EngineConfig], prompts: list[list[int]]
 ) -> None:
-    llm = LLM(config=engine_config(max_num_batched_tokens=32), loaded=smol)
+    llm = LLM(config=engine_config(max_num_batched_tokens=32, max_num_seqs=16), loaded=smol)
     engine = llm.engine
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=50, temperature=0.0))

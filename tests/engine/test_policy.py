@@ -81,7 +81,7 @@ def test_slo_long_prompt_does_not_starve_under_stream_of_short_ones() -> None:
     config = EngineConfig(
         model=ModelConfig(model="dummy:tiny", device="cpu"),
         cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="slo", slo_ttft_s=0.3, max_num_seqs=256),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="slo", slo_ttft_s=0.3, max_num_seqs=64),
     )
     engine = LLMEngine(config)
     engine.add_request("long", [7] * 400, SamplingParams(max_tokens=1, temperature=0.0))

@@ -150,10 +150,12 @@ class KVCacheManager:
             seq.hashes.append(h)
             parent = h
         self._seqs[seq_id] = seq
-        cached = len(seq.table) * bs
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += cached
-        return cached
+        return len(seq.table) * bs
+
+    def count_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Record one admitted request's prefix-cache lookup (tokens asked for, tokens found)."""
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
 
     def allocate(self, seq_id: str, num_tokens: int) -> bool:
         """Grow the sequence's table to hold num_tokens tokens; False (and no change) if the pool is short."""

@@ -104,14 +104,18 @@ class Scheduler:
 
     def _admit(self, req: Request, left: int, now: float) -> int:
         """Move a waiting request to running with its first chunk; 0 if its blocks don't fit."""
-        if not self.kv.has(req.request_id):
-            cached = self.kv.match_prefix(req.request_id, req.token_ids)
-            req.num_computed_tokens = cached
-            if req.timings.first_scheduled is None:
-                req.timings.cached_tokens = cached
+        cached = self.kv.match_prefix(req.request_id, req.token_ids)
+        req.num_computed_tokens = cached
         n = min(req.num_uncomputed_tokens, left)
         if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-            return 0  # keeps its prefix-cache hits
+            # A waiting request holds no block: blocks held while not running could starve the
+            # running ones and stall the whole pool.
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            return 0
+        self.kv.count_lookup(len(req.token_ids), cached)
+        if req.timings.first_scheduled is None:
+            req.timings.cached_tokens = cached
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         if req.timings.first_scheduled is None:
