@@ -30,11 +30,13 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0  # for dummy weights
     enforce_eager: bool = False  # no CUDA graphs
+    num_threads: int | None = None  # CPU threads for torch (None: torch's default, one per core)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _require(self.num_threads is None or self.num_threads >= 1, "--num-threads must be at least 1")
         _require(
             self.max_model_len is None or self.max_model_len >= 16,
             f"--max-model-len must be at least 16, got {self.max_model_len}",

@@ -56,6 +56,8 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
+        if mc.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(mc.num_threads)  # torch's pool is per process: the engine owns it
         self.dtype = resolve_dtype(mc.dtype, self.device)
         if loaded is None:
             loaded = load_model(mc.model, self.dtype, mc.seed)

@@ -39,6 +39,9 @@ def register(subparsers: Any) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)"
     )
     m.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    m.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads for the model (default: one per core)"
+    )
     c = p.add_argument_group("KV cache")
     c.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1 GiB on CPU)")
     c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -79,6 +82,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             max_model_len=args.max_model_len,
             served_model_name=args.served_model_name,
             enforce_eager=args.enforce_eager,
+            num_threads=args.num_threads,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
