@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLMEngine, SamplingParams
 from tailserve.engine.policy import FcfsPolicy, SloPolicy
+from tailserve.engine.request import Request, RequestTimings
 from tailserve.engine.stats import StepTimer
 from tailserve.model.loader import LoadedModel
 
@@ -96,11 +97,21 @@ def test_slo_long_prompt_does_not_starve_under_stream_of_short_ones() -> None:
     assert engine.has_unfinished()  # the short stream was still going when it got through
 
 
+def _decoding(k: int, elapsed_s: float, now: float) -> Request:
+    """A request that has produced k tokens, the first one elapsed_s ago."""
+    req = Request("r", [1, 2, 3], GREEDY, RequestTimings(arrival=now - elapsed_s - 0.1), seq_no=0)
+    req.token_ids += [4] * k
+    req.timings.first_token = now - elapsed_s
+    return req
+
+
 def test_slo_policy_orders_and_estimates_as_documented() -> None:
     timer = StepTimer(budget_tokens=256)
     config = SchedulerConfig(policy="slo", slo_ttft_s=2.0, slo_tpot_s=0.05)
     slo = SloPolicy(config, timer, block_size=16)
-    assert slo.prefill_cap(num_decodes=4, budget=252) == 252  # no timing yet: no cap
+    now = 1000.0
+    fresh = [_decoding(k=1, elapsed_s=0.0, now=now) for _ in range(4)]
+    assert slo.prefill_cap(fresh, budget=252, now=now) == 252  # no timing yet: no cap
 
     @dataclass
     class Plan:
@@ -113,12 +124,19 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     step_s, per_token = timer.coefficients()
     assert abs(step_s - 0.004) < 1e-9 and abs(per_token - 0.0001) < 1e-9
     # 50 ms TPOT target: (0.05 - 0.004) / 0.0001 = 460 prompt tokens per step beside the decodes.
-    assert slo.prefill_cap(num_decodes=10, budget=246) == 246
-    assert slo.prefill_cap(num_decodes=10, budget=1000) in (459, 460)  # float rounding
+    assert slo.prefill_cap(fresh, budget=246, now=now) == 246
+    assert slo.prefill_cap(fresh, budget=1000, now=now) in (459, 460)  # float rounding
+    # Streams that ran ahead of the target lend the time: 20 tokens in 0.2 s banked 0.8 s, but one
+    # step may take at most 4 x 50 ms: (0.2 - 0.004) / 0.0001 = 1960 prompt tokens.
+    ahead = [_decoding(k=20, elapsed_s=0.2, now=now)]
+    assert slo.step_budget_s(ahead, now) == 0.2
+    assert slo.prefill_cap(ahead, budget=4096, now=now) in (1959, 1960)
+    # A stream already behind its target gets no more than one target's worth of step.
+    behind = ahead + [_decoding(k=10, elapsed_s=1.0, now=now)]
+    assert slo.step_budget_s(behind, now) == 0.05
     tight = SloPolicy(SchedulerConfig(policy="slo", slo_tpot_s=0.001), timer, block_size=16)
-    assert tight.prefill_cap(num_decodes=10, budget=1000) == 16  # never below one block
+    assert tight.prefill_cap(fresh, budget=1000, now=now) == 16  # never below one block
     # A newcomer waits for urgent and shorter prompts only, not for a long one with slack.
-    now = 1000.0
     pending = [(1000, now + 10.0), (30, now + 10.0), (500, now + 0.01)]
     assert slo.tokens_ahead(pending, 50, now) == 30 + 500
     assert FcfsPolicy().tokens_ahead(pending, 50, now) == 1530

@@ -57,7 +57,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
-        self._pending: list[tuple[int, float]] = []
+        self._queue = self.engine.queue_snapshot()
         self._lock = threading.Lock()
 
     async def start(self) -> None:
@@ -120,7 +120,7 @@ class AsyncEngine:
 
     def estimate_wait_s(self, num_prompt_tokens: int) -> float:
         """Predicted queue wait plus prefill for a new request, from the last step's snapshot."""
-        return self.engine.estimate_wait_s(num_prompt_tokens, self._pending, self._stats.num_running)
+        return self.engine.estimate_wait_s(num_prompt_tokens, self._queue)
 
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -194,5 +194,5 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         engine = self.engine
-        self._pending = engine.pending_prefills()
+        self._queue = engine.queue_snapshot()
         self._stats = engine.stats()

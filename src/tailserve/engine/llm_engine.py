@@ -17,7 +17,7 @@ from tailserve.config import EngineConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams
 from tailserve.engine.scheduler import Scheduler, StepPlan
-from tailserve.engine.stats import EngineStats, StepTimer
+from tailserve.engine.stats import EngineStats, QueueSnapshot, StepTimer
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.model.attention import AttentionBackend
 from tailserve.model.loader import LoadedModel, load_model
@@ -311,27 +311,29 @@ class LLMEngine:
             steps_total=self.timer.steps,
         )
 
-    def pending_prefills(self) -> list[tuple[int, float]]:
-        """(prompt tokens still to compute, TTFT deadline) of every request not yet decoding."""
+    def queue_snapshot(self) -> QueueSnapshot:
+        """What admission control needs, taken on the engine thread between steps."""
         ttft = self.config.scheduler.slo_ttft_s
-        reqs = [*self.scheduler.waiting, *(r for r in self.scheduler.running if r.num_uncomputed_tokens > 1)]
-        return [(r.num_uncomputed_tokens, r.timings.arrival + ttft) for r in reqs]
+        sched = self.scheduler
+        prefilling = [*sched.waiting, *(r for r in sched.running if r.num_uncomputed_tokens > 1)]
+        decoding = [r for r in sched.running if r.num_uncomputed_tokens <= 1]
+        budget = self.config.scheduler.max_num_batched_tokens
+        return QueueSnapshot(
+            pending=[(r.num_uncomputed_tokens, r.timings.arrival + ttft) for r in prefilling],
+            num_running=len(sched.running),
+            prefill_cap=sched.policy.prefill_cap(decoding, budget, time.monotonic()),
+        )
 
-    def estimate_wait_s(
-        self,
-        num_prompt_tokens: int,
-        pending: list[tuple[int, float]] | None = None,
-        num_running: int | None = None,
-    ) -> float:
+    def estimate_wait_s(self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None) -> float:
         """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
         plus its own. Zero when nothing is ahead: an idle server never refuses."""
-        pending = self.pending_prefills() if pending is None else pending
-        running = len(self.scheduler.running) if num_running is None else num_running
-        ahead = self.scheduler.policy.tokens_ahead(pending, num_prompt_tokens, time.monotonic())
+        snap = snapshot or self.queue_snapshot()
+        ahead = self.scheduler.policy.tokens_ahead(snap.pending, num_prompt_tokens, time.monotonic())
         if ahead == 0:
             return 0.0
-        cap = self.scheduler.policy.prefill_cap(running, self.config.scheduler.max_num_batched_tokens)
-        return self.timer.estimate_s(ahead + num_prompt_tokens, running, per_step_tokens=cap)
+        return self.timer.estimate_s(
+            ahead + num_prompt_tokens, snap.num_running, per_step_tokens=snap.prefill_cap
+        )
 
 
 def _pick_backend(device: torch.device) -> AttentionBackend | None:

@@ -5,9 +5,10 @@ which running request gives its blocks back when the pool runs dry.
 - `slo` (default): each request's TTFT deadline is arrival + target. Requests whose slack is nearly
   gone go first (earliest deadline first); the others go shortest-remaining-prompt first, so a short
   question is not stuck behind a long document. Slack shrinks as a request waits, so every request
-  becomes urgent in time: nothing starves. While decodes run, prefill per step is capped so the step
-  time model (overhead + per-token cost) stays under the TPOT target; the cap never drops below one
-  block, so prefill always progresses. The preemption victim is a request still in prefill (no
+  becomes urgent in time: nothing starves. While decodes run, prefill per step is capped so the
+  predicted step time keeps every stream's TPOT (an average per token) under target: a stream that
+  has run ahead of its target lends that time to prefill, up to 4x the target for one step. The cap
+  never drops below one block, so prefill always progresses. The preemption victim is a request still in prefill (no
   token streamed yet) with the least work done, else the decode with the fewest tokens to recompute.
 """
 
@@ -26,7 +27,7 @@ class SchedulePolicy(Protocol):
 
     def order_prefills(self, candidates: Sequence[Request], now: float) -> list[Request]: ...
 
-    def prefill_cap(self, num_decodes: int, budget: int) -> int: ...
+    def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int: ...
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
 
@@ -41,7 +42,7 @@ class FcfsPolicy:
     def order_prefills(self, candidates: Sequence[Request], now: float) -> list[Request]:
         return sorted(candidates, key=lambda r: r.seq_no)
 
-    def prefill_cap(self, num_decodes: int, budget: int) -> int:
+    def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         return budget
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
@@ -56,6 +57,7 @@ class SloPolicy:
     """TTFT-deadline-aware ordering with an adaptive prefill cap (see the module docstring)."""
 
     name = "slo"
+    MAX_ITL_FACTOR = 4.0
 
     def __init__(self, config: SchedulerConfig, timer: StepTimer, block_size: int) -> None:
         self.config = config
@@ -80,14 +82,31 @@ class SloPolicy:
 
         return sorted(candidates, key=key)
 
-    def prefill_cap(self, num_decodes: int, budget: int) -> int:
-        if num_decodes == 0:
+    def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
+        if not decodes:
             return budget  # no stream to protect
         decode_step_s, per_token = self.timer.coefficients()
         if per_token <= 0:
             return budget  # no timing yet
-        room = (self.config.slo_tpot_s - decode_step_s) / per_token
+        room = (self.step_budget_s(decodes, now) - decode_step_s) / per_token
         return max(self.min_chunk, min(budget, int(room)))
+
+    def step_budget_s(self, decodes: Sequence[Request], now: float) -> float:
+        """How long this step may take without pushing any stream's TPOT (its average) over target.
+
+        A stream that got its tokens faster than the target has banked time; the step may spend it,
+        up to MAX_ITL_FACTOR x the target so no single gap becomes a visible stall.
+        """
+        tpot = self.config.slo_tpot_s
+        banked = min(
+            (
+                tpot * r.num_output_tokens - (now - r.timings.first_token)
+                for r in decodes
+                if r.timings.first_token
+            ),
+            default=tpot,
+        )
+        return min(max(banked, tpot), self.MAX_ITL_FACTOR * tpot)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return min(

@@ -69,9 +69,9 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
-        plan.prefill_cap = self.policy.prefill_cap(plan.num_decodes, budget)
-        left = min(budget, plan.prefill_cap)
         now = time.monotonic()
+        plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
+        left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if r.num_uncomputed_tokens > 1] + list(self.waiting)
         for req in self.policy.order_prefills(candidates, now):
             if left <= 0:

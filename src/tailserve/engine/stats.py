@@ -33,6 +33,15 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclass(frozen=True)
+class QueueSnapshot:
+    """Prompt work not yet done, for wait predictions: (tokens left, TTFT deadline) per request."""
+
+    pending: list[tuple[int, float]]
+    num_running: int
+    prefill_cap: int
+
+
 class StepTimer:
     """Predicts step times from recent steps: decode-only step seconds and prefill seconds per token."""
 
