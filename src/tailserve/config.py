@@ -73,7 +73,7 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 256  # the per-step token budget (decodes + prefill chunks)
     max_num_seqs: int = 64
-    policy: str = "fcfs"
+    policy: str = "slo"
     max_waiting: int = 512  # bound of the waiting queue (admission control)
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.150

@@ -15,6 +15,7 @@ from typing import Any
 from tailserve.config import (
     DEVICES,
     DTYPES,
+    SCHEDULE_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -50,7 +51,12 @@ def register(subparsers: Any) -> None:
     s = p.add_argument_group("scheduler and admission")
     s.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    s.add_argument("--schedule-policy", choices=("fcfs", "slo"), default="fcfs")
+    s.add_argument(
+        "--schedule-policy",
+        choices=SCHEDULE_POLICIES,
+        default="slo",
+        help="slo (default) or fcfs; see docs/ENGINE.md",
+    )
     s.add_argument("--max-waiting", type=int, default=512, help="waiting-queue bound; beyond it 429")
     s.add_argument(
         "--slo-ttft", type=float, default=2.0, help="TTFT target, seconds; predicted misses get 429"
