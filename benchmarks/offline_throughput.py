@@ -41,11 +41,11 @@ CONTEXT = (
 
 
 def make_prompts(model: LoadedModel, n: int) -> list[list[int]]:
-    """Chat prompts from ~40 to ~400 tokens: context of a different length before each question."""
+    """Chat prompts from ~40 to ~150 tokens: context of a different length before each question."""
     tok = model.tokenizer
     prompts = []
     for i in range(n):
-        context = CONTEXT * ((i * 7) % 10)
+        context = CONTEXT * ((i * 7) % 4)
         msg = [{"role": "user", "content": f"{context}Explain {TOPICS[i % len(TOPICS)]} in a few sentences."}]
         prompts.append(tok.apply_chat_template(msg))
     return prompts
@@ -130,7 +130,9 @@ def main() -> None:
     model = load_model("default", torch.float32)
     hf = hf_model(model)
     config = EngineConfig(
-        model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=2048),
+        model=ModelConfig(
+            model="default", dtype="float32", device="cpu", max_model_len=2048, num_threads=args.threads
+        ),
         cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(args.batches)),
     )

@@ -30,7 +30,7 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0  # for dummy weights
     enforce_eager: bool = False  # no CUDA graphs
-    num_threads: int | None = None  # CPU threads for torch (None: torch's default, one per core)
+    num_threads: int | None = None  # CPU threads for torch (None: one fewer than the cores)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,16 @@ log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 _MAX_DEFAULT_CONTEXT = 8192
+
+
+def default_cpu_threads() -> int:
+    """One core fewer than the process may use (at least one).
+
+    The spare core runs the HTTP loop, tokenization and everything else: when a parallel op's thread
+    is descheduled, the whole op waits for it, and on 2 cores a 0.5 ms matmul was seen to take 16 ms.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -56,8 +67,8 @@ class LLMEngine:
         self.config = config
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
-        if mc.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(mc.num_threads)  # torch's pool is per process: the engine owns it
+        if self.device.type == "cpu":
+            torch.set_num_threads(mc.num_threads or default_cpu_threads())  # per process: the engine owns it
         self.dtype = resolve_dtype(mc.dtype, self.device)
         if loaded is None:
             loaded = load_model(mc.model, self.dtype, mc.seed)

@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
     )
     m.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     m.add_argument(
-        "--num-threads", type=int, default=None, help="CPU threads for the model (default: one per core)"
+        "--num-threads", type=int, default=None, help="CPU threads for the model (default: cores - 1, min 1)"
     )
     c = p.add_argument_group("KV cache")
     c.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1 GiB on CPU)")
