@@ -7,7 +7,6 @@ its stream had started on the killed replica) ends with a clean SSE error event.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -28,11 +27,6 @@ from tests.router.fake_replica import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
-
-
-def real_server_available() -> bool:
-    """Whether `tailserve serve` exists in this checkout (it is written separately)."""
-    return importlib.util.find_spec("tailserve.server.cli") is not None
 
 
 def replica_command(kind: str, port: int, name: str) -> list[str]:
@@ -96,8 +90,6 @@ class ReplicaProcess:
 @pytest.fixture(scope="module", params=["fake", "real"])
 def replicas(request: pytest.FixtureRequest) -> Iterator[list[ReplicaProcess]]:
     kind = request.param
-    if kind == "real" and not real_server_available():
-        pytest.skip("tailserve serve is not in this checkout yet")
     procs = [ReplicaProcess(kind, free_port(), f"r{i}") for i in range(3)]
     try:
         for proc in procs:
