@@ -135,7 +135,8 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     behind = ahead + [_decoding(k=10, elapsed_s=1.0, now=now)]
     assert slo.step_budget_s(behind, now) == 0.05
     tight = SloPolicy(SchedulerConfig(policy="slo", slo_tpot_s=0.001), timer, block_size=16)
-    assert tight.prefill_cap(fresh, budget=1000, now=now) == 16  # never below one block
+    assert tight.prefill_cap(fresh, budget=1000, now=now) == 250  # never below a quarter of the budget
+    assert tight.prefill_cap(fresh, budget=40, now=now) == 16  # nor below one block
     # A newcomer waits for urgent and shorter prompts only, not for a long one with slack.
     pending = [(1000, now + 10.0), (30, now + 10.0), (500, now + 0.01)]
     assert slo.tokens_ahead(pending, 50, now) == 30 + 500

@@ -8,8 +8,9 @@ which running request gives its blocks back when the pool runs dry.
   becomes urgent in time: nothing starves. While decodes run, prefill per step is capped so the
   predicted step time keeps every stream's TPOT (an average per token) under target: a stream that
   has run ahead of its target lends that time to prefill, up to 4x the target for one step. The cap
-  never drops below one block, so prefill always progresses. The preemption victim is a request still in prefill (no
-  token streamed yet) with the least work done, else the decode with the fewest tokens to recompute.
+  never drops below a quarter of the step budget, so prefill always progresses. The preemption
+  victim is a request still in prefill (no token streamed yet) with the least work done, else the
+  decode with the fewest tokens to recompute.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ class SloPolicy:
         if per_token <= 0:
             return budget  # no timing yet
         room = (self.step_budget_s(decodes, now) - decode_step_s) / per_token
-        return max(self.min_chunk, min(budget, int(room)))
+        # Prefill always keeps a quarter of the budget: when decodes alone already miss the TPOT
+        # target, starving prompts would not save the streams and would wreck TTFT.
+        floor = max(self.min_chunk, budget // 4)
+        return min(budget, max(floor, int(room)))
 
     def step_budget_s(self, decodes: Sequence[Request], now: float) -> float:
         """How long this step may take without pushing any stream's TPOT (its average) over target.
