@@ -16,7 +16,6 @@ import pytest
 from tailserve.cli import build_parser
 from tailserve.router import launcher
 from tests.router.fake_replica import free_port
-from tests.router.test_failover import real_server_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +88,6 @@ def test_wait_ready_fails_fast_when_a_child_exits() -> None:
         launcher.wait_ready(["http://127.0.0.1:9"], [dead], timeout_s=60)
 
 
-@pytest.mark.skipif(not real_server_available(), reason="tailserve serve is not in this checkout yet")
 def test_serve_replicas_end_to_end() -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "tailserve.cli", "serve", "--model", "dummy:tiny", "--replicas", "2"]
