@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from tailserve.bench.arrivals import ArrivalSpec
-from tailserve.bench.capacity import CapacityPoint, CapacitySearch, capacity_section, find_capacity
+from tailserve.bench.capacity_search import CapacityPoint, CapacitySearch, capacity_section, find_capacity
 from tailserve.bench.client import TargetConfig
 from tailserve.bench.html_report import cdf_points, render_html
+from tailserve.bench.load_loop import ClientHealth, RunControl, RunOutcome
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.result import BenchSettings, build_result, load_result, write_json
-from tailserve.bench.runner import ClientHealth, RunControl, RunOutcome
 from tailserve.bench.stats import SloTargets
 from tailserve.bench.summary import format_capacity, format_compare, format_summary
 from tailserve.cli import main
@@ -150,7 +150,7 @@ def test_capacity_when_nothing_passes_or_the_client_limits() -> None:
 
 
 def test_progress_line_shows_live_p99s() -> None:
-    from tailserve.bench.runner import progress_line
+    from tailserve.bench.load_loop import progress_line
 
     records = [make_record(i, i * 0.1, 0.2 if i < 99 else 1.0, 0.01, 5) for i in range(100)]
     line = progress_line(records, 12.0, 3)

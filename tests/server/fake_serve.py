@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tailserve.server.config import ServerConfig  # noqa: E402
-from tailserve.server.runner import run_server  # noqa: E402
+from tailserve.server.lifecycle import run_server  # noqa: E402
 from tests.server.fake_engine import FakeEngine  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tailserve.bench.arrivals import OPEN_LOOP_KINDS, ArrivalSpec, schedule_offsets
-from tailserve.bench.capacity import (
+from tailserve.bench.capacity_search import (
     CapacityPoint,
     CapacitySearch,
     capacity_section,
@@ -31,6 +31,7 @@ from tailserve.bench.corpus import PromptSource
 from tailserve.bench.errors import BenchConfigError, BenchError
 from tailserve.bench.html_report import render_html
 from tailserve.bench.lengths import parse_length_dist
+from tailserve.bench.load_loop import RunControl, Runner
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.result import (
     BenchSettings,
@@ -40,7 +41,6 @@ from tailserve.bench.result import (
     write_json,
     write_jsonl,
 )
-from tailserve.bench.runner import RunControl, Runner
 from tailserve.bench.stats import SloTargets
 from tailserve.bench.summary import format_capacity, format_compare, format_summary
 from tailserve.bench.tokenizers import PromptTokenizer, load_tokenizer

@@ -17,8 +17,8 @@ from tailserve import __version__
 from tailserve.bench.arrivals import ArrivalSpec
 from tailserve.bench.client import TargetConfig
 from tailserve.bench.errors import ResultFileError
+from tailserve.bench.load_loop import RunControl, RunOutcome
 from tailserve.bench.records import FATAL_ERROR_KINDS, RequestRecord
-from tailserve.bench.runner import RunControl, RunOutcome
 from tailserve.bench.stats import (
     P99_OVER_MEAN_WARN,
     SloTargets,

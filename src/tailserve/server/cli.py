@@ -140,7 +140,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from tailserve.engine import AsyncEngine
     from tailserve.server.app import create_app
-    from tailserve.server.runner import run_server
+    from tailserve.server.lifecycle import run_server
 
     try:
         engine = AsyncEngine(engine_config)

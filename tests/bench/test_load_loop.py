@@ -1,4 +1,4 @@
-"""Runner behaviour against the scripted server: closed loop, multi-turn, client-side limits, fallbacks."""
+"""The load loop against the scripted server: closed loop, multi-turn, client-side limits, fallbacks."""
 
 from __future__ import annotations
 
