@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from tailserve.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "slo")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16")  # deprecated alias of --weight-format (fp32 / bf16)
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4", "int8")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16")
+_DTYPE_TO_WEIGHT_FORMAT = {"float32": "fp32", "bfloat16": "bf16"}
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -21,10 +24,17 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which weights to load and how: path / `default` / `dummy:<preset>`, dtype, device."""
+    """Which weights to load and how: path / `default` / `dummy:<preset>`, weight format, device.
+
+    `weight_format` decides the weights and, with them, the activation dtype: fp32 runs fp32
+    activations; bf16, int4 and int8 run bf16 activations (the int kernels need them). `dtype` is
+    the old spelling of the same choice (float32 = fp32, bfloat16 = bf16) and is folded into it.
+    """
 
     model: str = "default"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    weight_format: str = "auto"  # auto: the fastest format that keeps quality (CPU), bf16 on CUDA
+    kv_cache_dtype: str = "auto"  # auto: the activation dtype of the weight format
+    dtype: str = "auto"  # deprecated: folded into weight_format
     device: str = "auto"  # auto: CUDA when available
     max_model_len: int | None = None  # None: the model's own context, capped at 8192
     served_model_name: str | None = None
@@ -35,6 +45,22 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(
+            self.weight_format in WEIGHT_FORMATS,
+            f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weight_format!r}",
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
+        if self.dtype != "auto":
+            implied = _DTYPE_TO_WEIGHT_FORMAT[self.dtype]
+            _require(
+                self.weight_format in ("auto", implied),
+                f"--dtype {self.dtype} contradicts --weight-format {self.weight_format}; "
+                "pass only --weight-format",
+            )
+            object.__setattr__(self, "weight_format", implied)
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(self.num_threads is None or self.num_threads >= 1, "--num-threads must be at least 1")
         _require(

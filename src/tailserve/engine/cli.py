@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--weight-format", default="auto", help="auto, fp32, bf16, int4 or int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp32 or bf16")
+    p.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)  # old spelling of --weight-format
     p.add_argument("--device", default="auto")
     p.set_defaults(func=_generate)
 
@@ -41,7 +43,13 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(
+            args.model,
+            weight_format=args.weight_format,
+            kv_cache_dtype=args.kv_cache_dtype,
+            dtype=args.dtype,
+            device=args.device,
+        )
         outputs = llm.generate(args.prompts, params, chat=args.chat)
     except TailserveError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,7 +15,9 @@ from typing import Any
 from tailserve.config import (
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     SCHEDULE_POLICIES,
+    WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -34,7 +36,16 @@ def register(subparsers: Any) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="default", help="HF dir, .gguf file, 'default' or 'dummy:<preset>'")
     m.add_argument("--served-model-name", default=None, help="name in /v1/models and the 'model' field")
-    m.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    m.add_argument(
+        "--weight-format",
+        choices=WEIGHT_FORMATS,
+        default="auto",
+        help="weights and their kernels; fp32 runs fp32 activations, the rest bf16 (see docs/ENGINE.md)",
+    )
+    m.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: the activation dtype"
+    )
+    m.add_argument("--dtype", choices=DTYPES, default="auto", help=argparse.SUPPRESS)  # old --weight-format
     m.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when available")
     m.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)"
@@ -83,6 +94,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     engine = EngineConfig(
         model=ModelConfig(
             model=args.model,
+            weight_format=args.weight_format,
+            kv_cache_dtype=args.kv_cache_dtype,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
