@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.plan.contract import PROMETHEUS_BUILTINS, REPO, contract, referenced_names
+from tests.deploy.contract import PROMETHEUS_BUILTINS, REPO, contract, referenced_names
 
 PROMTOOL = shutil.which("promtool")
 READY_TIMEOUT_S = 120.0  # a start-up deadline, not a performance assertion

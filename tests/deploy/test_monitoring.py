@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tests.plan.contract import (
+from tests.deploy.contract import (
     ALERTS,
     DASHBOARD,
     PROMETHEUS_BUILTINS,

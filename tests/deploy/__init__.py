@@ -1,0 +1,1 @@
+"""Tests of deploy/: Prometheus alert rules, the Grafana dashboard, the Kubernetes manifests."""
