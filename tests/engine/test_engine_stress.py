@@ -32,7 +32,7 @@ def _engine(num_blocks: int, policy: str, budget: int) -> LLMEngine:
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(12, 40), budget=st.sampled_from([16, 48, 128]))
 def test_everything_finishes_and_blocks_return(policy: str, seed: int, num_blocks: int, budget: int) -> None:
     engine = _engine(num_blocks, policy, budget)
-    assert engine.kv.num_blocks == num_blocks
+    assert engine.stats().kv_blocks_total == num_blocks
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(10, 60))] for _ in range(3)]
     pending = []

@@ -79,7 +79,7 @@ def test_tiny_token_budget_chunks_prefill_same_tokens(
 ) -> None:
     llm = LLM(config=engine_config(max_num_batched_tokens=24, max_num_seqs=16), loaded=smol)
     assert _run(llm, prompts) == reference
-    assert llm.engine.timer.steps > sum(len(p) for p in prompts) // 24  # prompts really were chunked
+    assert llm.engine.stats().steps_total > sum(len(p) for p in prompts) // 24  # prompts really were chunked
     _assert_pool_free(llm)
 
 
@@ -110,7 +110,7 @@ def test_tiny_pool_forces_preemption_same_tokens(
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     num_blocks = -(-longest // 16) * 3  # room for about three sequences at once
     llm = LLM(config=engine_config(kv_cache_memory_bytes=num_blocks * block_bytes), loaded=smol)
-    assert llm.engine.kv.num_blocks == num_blocks
+    assert llm.engine.stats().kv_blocks_total == num_blocks
     assert _run(llm, prompts) == reference
     assert llm.engine.stats().preemptions_total > 0
     _assert_pool_free(llm)

@@ -111,7 +111,7 @@ def test_bad_sampling_values_are_typed_errors(kwargs: dict[str, object], param: 
 
 def test_bad_requests_raise_before_taking_blocks(llm: LLM) -> None:
     engine = llm.engine
-    free = engine.kv.num_free_blocks
+    used = engine.stats().kv_blocks_used
     with pytest.raises(ContextLengthExceededError) as info:
         engine.add_request("long", [5] * 300, SamplingParams(max_tokens=4))
     assert info.value.param == "prompt" and "256" in str(info.value)
@@ -122,7 +122,7 @@ def test_bad_requests_raise_before_taking_blocks(llm: LLM) -> None:
         engine.add_request("empty", [], SamplingParams())
     with pytest.raises(InvalidRequestError):
         engine.add_request("oov", [10**9], SamplingParams())
-    assert engine.kv.num_free_blocks == free and not engine.has_unfinished()
+    assert engine.stats().kv_blocks_used == used and not engine.has_unfinished()
 
 
 def test_unreadable_or_unsupported_models_raise_typed_errors(

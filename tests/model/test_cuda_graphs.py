@@ -41,7 +41,10 @@ def _prefill(runners: list[ModelRunner]) -> list[int | None]:
 
 
 def _decodes(seqs: list[list[int]]) -> list[SeqChunk]:
-    return [SeqChunk([s[-1]], len(s) - 1, t, True, SamplingSpec()) for s, t in zip(seqs, TABLES, strict=True)]
+    return [
+        SeqChunk([s[-1]], len(s) - 1, t, True, SamplingSpec(), decode=True)
+        for s, t in zip(seqs, TABLES, strict=True)
+    ]
 
 
 def test_padded_static_decode_equals_eager_steps(tiny: LoadedModel) -> None:
@@ -80,6 +83,36 @@ def test_batches_it_cannot_replay_run_eagerly(tiny: LoadedModel) -> None:
     assert not graphs.can_run(mixed)
     with pytest.raises(ValueError):
         graphs.decode_logits(mixed)
+
+
+def test_the_switch_decides_which_path_a_decode_step_takes(tiny: LoadedModel) -> None:
+    """With graphs attached and the switch on, decode-only steps go through them; off, they run eagerly.
+
+    Prefill steps always run eagerly. Tokens are the same either way."""
+    eager, switched = _runner(tiny), _runner(tiny)
+    graphs = DecodeGraphRunner(switched, batch_sizes=(1, 2, 4), max_context=64)
+    switched.attach_decode_graphs(graphs)
+    first = _prefill([eager, switched])
+    assert (switched.num_graph_steps, switched.num_eager_steps) == (0, 1)  # the prefill
+    seqs = [p + [t] for p, t in zip(PROMPTS, first, strict=True) if t is not None]
+    for use_graphs in (True, False, True):
+        switched.use_decode_graphs = use_graphs
+        graph_steps, eager_steps = switched.num_graph_steps, switched.num_eager_steps
+        chunks = _decodes(seqs)
+        tokens = switched.execute(chunks)
+        assert tokens == eager.execute(chunks)
+        assert switched.num_graph_steps - graph_steps == int(use_graphs)
+        assert switched.num_eager_steps - eager_steps == int(not use_graphs)
+        seqs = [s + [t] for s, t in zip(seqs, tokens, strict=True) if t is not None]
+
+
+def test_the_runner_refuses_a_batch_with_decodes_after_prompts(tiny: LoadedModel) -> None:
+    runner = _runner(tiny)
+    _prefill([runner])
+    decode = SeqChunk([7], 13, TABLES[0], True, SamplingSpec(), decode=True)
+    prompt = SeqChunk([1, 2, 3], 0, [6], True, SamplingSpec())
+    with pytest.raises(ValueError, match="before prompt chunks"):
+        runner.execute([prompt, decode])
 
 
 def test_graphs_refuse_a_cpu_runner(tiny: LoadedModel) -> None:

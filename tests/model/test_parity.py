@@ -49,9 +49,9 @@ def test_paged_batch_logits_match_reference(smol: LoadedModel, hf_reference: tor
     runner = ModelRunner(model, 64, bs, torch.device("cpu"))
     spec = SamplingSpec()
 
-    def chunk(i: int, ids: list[int], start: int, end: int) -> SeqChunk:
+    def chunk(i: int, ids: list[int], start: int, end: int, decode: bool = False) -> SeqChunk:
         assert kv.allocate(str(i), end)
-        return SeqChunk(ids[start:end], start, kv.block_table(str(i)), end == len(ids), spec)
+        return SeqChunk(ids[start:end], start, kv.block_table(str(i)), end == len(ids), spec, decode)
 
     # Step 1: seq 0 whole, seq 1 whole, seq 2 first 7 tokens (chunked), seq 3 whole.
     cut = 7
@@ -64,7 +64,7 @@ def test_paged_batch_logits_match_reference(smol: LoadedModel, hf_reference: tor
     out1 = runner.logits_for(step1)
     # Step 2: decodes for 0, 1, 3 (teacher-forced: feed the last prompt token again), the rest of seq 2.
     ext = [s + [s[-1]] for s in seqs]
-    step2 = [chunk(i, ext[i], len(seqs[i]), len(seqs[i]) + 1) for i in (0, 1, 3)]
+    step2 = [chunk(i, ext[i], len(seqs[i]), len(seqs[i]) + 1, decode=True) for i in (0, 1, 3)]
     step2.append(chunk(2, ext[2], cut, len(ext[2])))
     out2 = runner.logits_for(step2)
 

@@ -218,7 +218,12 @@ def test_runner_logits_match_torch_backend() -> None:
     spec = SamplingSpec()
 
     def step(chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        batch = [SeqChunk(prompts[i][a:b], a, tables[i], b == len(prompts[i]), spec) for i, a, b in chunks]
+        # One-token chunks over a cached context are the step's decodes; they go first.
+        ordered = sorted(chunks, key=lambda c: not (c[2] - c[1] == 1 and c[1] > 0))
+        batch = [
+            SeqChunk(prompts[i][a:b], a, tables[i], b == len(prompts[i]), spec, b - a == 1 and a > 0)
+            for i, a, b in ordered
+        ]
         return [r.logits_for(batch) for r in runners]
 
     for i, p in enumerate(prompts):
@@ -252,7 +257,9 @@ def test_static_graph_metadata_matches_torch_backend() -> None:
     spec = SamplingSpec()
     prefill = [SeqChunk(p, 0, t, True, spec) for p, t in zip(prompts, tables, strict=True)]
     assert eager.execute(prefill) == wrapped.execute(prefill)
-    decodes = [SeqChunk([7], len(p), t, True, spec) for p, t in zip(prompts, tables, strict=True)]
+    decodes = [
+        SeqChunk([7], len(p), t, True, spec, decode=True) for p, t in zip(prompts, tables, strict=True)
+    ]
     want = eager.logits_for(decodes)
     got = graphs.decode_logits(decodes)
     err = (got - want).abs().max().item()

@@ -193,3 +193,12 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its prompt is in the cache and one generated token waits to be fed back: the next step is a decode.
+
+        Decided by the request alone, never by how the scheduler cut its chunks, so the rows a request
+        runs as decodes (and the weight format they use) do not depend on who shares the batch.
+        """
+        return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= len(self.prompt_token_ids)

@@ -2,7 +2,8 @@
 
 Decodes go first; prompts are then prefilled in chunks, in the policy's order and under its cap,
 with what remains, so a long prompt never takes more than its chunk in a step. When blocks run out,
-the policy's victim is preempted by recompute and requeued ahead of newer arrivals.
+the policy's victim is preempted by recompute and requeued ahead of newer arrivals. The scheduler is
+the KV cache's only owner: it allocates, commits after the step (`postprocess`) and frees.
 """
 
 from __future__ import annotations
@@ -15,14 +16,20 @@ from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SchedulePolicy, make_policy
 from tailserve.engine.request import Request, RequestStatus
-from tailserve.engine.stats import StepTimer
+from tailserve.engine.stats import EngineStats, QueueSnapshot, StepTimer
+from tailserve.errors import ContextLengthExceededError
 
 
 @dataclass
 class StepPlan:
-    """The work of one step: (request, number of new tokens to compute) in execution order."""
+    """The work of one step: (request, number of new tokens to compute) in execution order.
+
+    The first `num_decodes` entries are decodes (one generated token fed back each); the rest are
+    prompt chunks, possibly of one token. `block_tables[i]` is entry i's block table for this step.
+    """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_decodes: int = 0
     prefill_cap: int = 0
@@ -42,7 +49,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, timer: StepTimer | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.policy: SchedulePolicy = make_policy(config, timer or StepTimer(), kv.block_size)
+        self.timer = timer or StepTimer(budget_tokens=config.max_num_batched_tokens)
+        self.policy: SchedulePolicy = make_policy(config, self.timer, kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -59,7 +67,7 @@ class Scheduler:
         plan = StepPlan()
         scheduled: set[str] = set()
         budget = self.config.max_num_batched_tokens
-        for req in [r for r in self.running if r.num_uncomputed_tokens == 1]:
+        for req in [r for r in self.running if r.is_decoding]:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -72,7 +80,7 @@ class Scheduler:
         now = time.monotonic()
         plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
         left = min(budget, plan.prefill_cap)
-        candidates = [r for r in self.running if r.num_uncomputed_tokens > 1] + list(self.waiting)
+        candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
         for req in self.policy.order_prefills(candidates, now):
             if left <= 0:
                 break
@@ -89,7 +97,14 @@ class Scheduler:
             plan.scheduled.append((req, n))
             scheduled.add(req.request_id)
             left -= n
+        plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
         return plan
+
+    def postprocess(self, plan: StepPlan) -> None:
+        """After the model ran the plan: its tokens are computed, and full blocks join the prefix cache."""
+        for req, n in plan.scheduled:
+            req.num_computed_tokens += n
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed_tokens)
 
     def _reserve(self, req: Request, n: int, plan: StepPlan, scheduled: set[str]) -> bool:
         """Blocks for n more tokens of a running request, preempting others if needed; False if it was preempted itself."""
@@ -142,3 +157,50 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+    # ----- limits, pool state and wait estimates -------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Queue, pool and prefix-cache counters as one snapshot."""
+        kv = self.kv
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            preemptions_total=self.num_preemptions,
+            steps_total=self.timer.steps,
+        )
+
+    def check_fits_pool(self, num_tokens: int) -> None:
+        """Refuse a request whose whole context could never be held by the pool at once."""
+        kv = self.kv
+        if -(-num_tokens // kv.block_size) > kv.num_blocks:
+            raise ContextLengthExceededError(
+                f"prompt + max_tokens ({num_tokens} tokens) exceeds the whole KV pool "
+                f"({kv.num_blocks * kv.block_size} tokens): lower max_tokens or give the pool more memory",
+                param="max_tokens",
+            )
+
+    def queue_snapshot(self, now: float) -> QueueSnapshot:
+        """Prompt work not yet done, with each request's TTFT deadline: what admission control reads."""
+        ttft = self.config.slo_ttft_s
+        prefilling = [*self.waiting, *(r for r in self.running if not r.is_decoding)]
+        decoding = [r for r in self.running if r.is_decoding]
+        budget = self.config.max_num_batched_tokens
+        return QueueSnapshot(
+            pending=[(r.num_uncomputed_tokens, r.timings.arrival + ttft) for r in prefilling],
+            num_running=len(self.running),
+            prefill_cap=self.policy.prefill_cap(decoding, budget, now),
+        )
+
+    def estimate_wait_s(self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float) -> float:
+        """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
+        plus its own. Zero when nothing is ahead: an idle server never refuses."""
+        ahead = self.policy.tokens_ahead(snapshot.pending, num_prompt_tokens, now)
+        if ahead == 0:
+            return 0.0
+        return self.timer.estimate_s(
+            ahead + num_prompt_tokens, snapshot.num_running, per_step_tokens=snapshot.prefill_cap
+        )

@@ -26,8 +26,9 @@ class DecodeGraphRunner:
     """Wraps a ModelRunner's decode-only forward with static buffers and (on CUDA) captured graphs.
 
     Without graphs (CPU, or `use_graphs=False`) it runs the same padded static-shape forward eagerly,
-    which is how the padding and metadata are tested without a GPU. `execute` is a drop-in for
-    `ModelRunner.execute`: what it cannot replay goes to the runner's own eager path.
+    which is how the padding and metadata are tested without a GPU. The runner routes decode-only
+    steps here once attached (`ModelRunner.attach_decode_graphs`); what `execute` cannot replay goes
+    to the runner's eager path.
     """
 
     def __init__(
@@ -40,8 +41,6 @@ class DecodeGraphRunner:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError("batch_sizes must be positive")
         self.runner = runner
-        # Bound now, so a caller may later replace runner.execute with self.execute without recursion.
-        self._eager_execute = runner.execute
         self.use_graphs = runner.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -120,7 +119,7 @@ class DecodeGraphRunner:
         """A decode-only batch that fits the largest graph and the fixed table width."""
         return (
             0 < len(chunks) <= self.max_batch
-            and all(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks)
+            and all(c.decode for c in chunks)
             and all(len(c.block_table) <= self.max_blocks and c.start_pos < self.max_context for c in chunks)
         )
 
@@ -128,7 +127,7 @@ class DecodeGraphRunner:
     def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
         """Like ModelRunner.execute: replay a graph for a decode-only batch, else run eagerly."""
         if not self.can_run(chunks):
-            return self._eager_execute(chunks)
+            return self.runner.execute_eager(chunks)
         logits = self.decode_logits(chunks)
         rows = [i for i, c in enumerate(chunks) if c.sample]
         if len(rows) < len(chunks):

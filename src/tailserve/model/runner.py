@@ -1,13 +1,15 @@
 """ModelRunner: owns the model, the preallocated KV pool and the attention backend; runs one step.
 
 It turns a list of sequence chunks into a flattened batch plus attention metadata, runs the
-forward pass and samples. It knows nothing of requests, queues or stopping rules.
+forward pass and samples. The caller says which chunks are decodes (they come first); the runner
+never guesses. It knows nothing of requests, queues or stopping rules.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,18 +18,27 @@ from tailserve.model.attention import AttentionBackend, AttentionMetadata, Prefi
 from tailserve.model.sampler import SamplingSpec, sample
 from tailserve.model.transformer import TransformerLM
 
+if TYPE_CHECKING:
+    from tailserve.model.cuda_graphs import DecodeGraphRunner
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class SeqChunk:
-    """New tokens of one sequence to run this step, at positions start_pos.., with its block table."""
+    """New tokens of one sequence to run this step, at positions start_pos.., with its block table.
+
+    `decode` marks a generated token fed back over a cached context (one token, start_pos > 0): it
+    runs through the decode path and the decode weight format. Any other chunk, even of one token,
+    is a prompt chunk. Decode chunks must come before prompt chunks in a step.
+    """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     sample: bool  # the chunk ends at the sequence's last known token: sample the next one
     sampling: SamplingSpec
+    decode: bool = False
 
 
 def kv_bytes_per_token(arch: ArchConfig, dtype: torch.dtype) -> int:
@@ -58,55 +69,62 @@ class ModelRunner:
         shape = (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(arch.num_layers)]
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.use_decode_graphs = False  # the explicit switch: decode-only steps replay CUDA graphs
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    def attach_decode_graphs(self, graphs: DecodeGraphRunner) -> None:
+        """Route decode-only steps that fit through `graphs` from now on (switch with use_decode_graphs)."""
+        self.decode_graphs = graphs
+        self.use_decode_graphs = True
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
         """Run one step; return the sampled token per chunk (None where the chunk samples nothing)."""
         if not chunks:
             return []
-        order = sorted(range(len(chunks)), key=lambda i: not _is_decode(chunks[i]))
-        ordered = [chunks[i] for i in order]
-        input_ids, positions, meta, logits_rows = self._prepare(ordered)
-        logits_indices = torch.tensor([row for row, _ in logits_rows], dtype=torch.long, device=self.device)
+        graphs = self.decode_graphs
+        if self.use_decode_graphs and graphs is not None and graphs.can_run(chunks):
+            self.num_graph_steps += 1
+            return graphs.execute(chunks)
+        self.num_eager_steps += 1
+        return self.execute_eager(chunks)
+
+    @torch.inference_mode()
+    def execute_eager(self, chunks: list[SeqChunk]) -> list[int | None]:
+        """`execute` without CUDA graphs: one eager forward over the flattened batch."""
+        if not chunks:
+            return []
+        input_ids, positions, meta, logits_rows = self._prepare(chunks)
+        logits_indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, logits_indices)
-        tokens = sample(logits, [ordered[j].sampling for _, j in logits_rows]) if logits_rows else []
-        by_ordered: dict[int, int] = {j: tok for (_, j), tok in zip(logits_rows, tokens, strict=True)}
-        result: list[int | None] = [None] * len(chunks)
-        for j, i in enumerate(order):
-            result[i] = by_ordered.get(j)
-        return result
+        sampling = [c for c in chunks if c.sample]
+        tokens = sample(logits, [c.sampling for c in sampling]) if sampling else []
+        it = iter(tokens)
+        return [next(it) if c.sample else None for c in chunks]
 
     @torch.inference_mode()
     def logits_for(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Teacher-forced logits of every new token of every chunk (for tests), KV written as in execute."""
-        order = sorted(range(len(chunks)), key=lambda i: not _is_decode(chunks[i]))
-        ordered = [chunks[i] for i in order]
-        input_ids, positions, meta, _ = self._prepare(ordered)
+        """Teacher-forced logits of every new token of every chunk, in order; KV written as in execute."""
+        input_ids, positions, meta, _ = self._prepare(chunks)
         rows = torch.arange(input_ids.shape[0], device=self.device)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
-        # Back to the caller's chunk order.
-        starts, pos = [], 0
-        for c in ordered:
-            starts.append(pos)
-            pos += len(c.token_ids)
-        pieces: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
-        for j, i in enumerate(order):
-            pieces[i] = logits[starts[j] : starts[j] + len(ordered[j].token_ids)]
-        return torch.cat(pieces)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
 
     def _prepare(
         self, chunks: list[SeqChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        _check_order(chunks)
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
-        logits_rows: list[tuple[int, int]] = []
+        logits_rows: list[int] = []
         num_decodes = 0
         dev = self.device
         max_blocks = max(len(c.block_table) for c in chunks)
-        for j, c in enumerate(chunks):
+        for c in chunks:
             n = len(c.token_ids)
             q_start = len(ids)
             ids.extend(c.token_ids)
@@ -115,7 +133,7 @@ class ModelRunner:
             table = c.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             ctx_len = c.start_pos + n
-            if _is_decode(c):
+            if c.decode:
                 num_decodes += 1
             elif c.start_pos == 0:
                 prefills.append(PrefillSpan(q_start, n, ctx_len, None, None))
@@ -126,7 +144,7 @@ class ModelRunner:
                 mask = ctx[None, :] <= q_abs[:, None]
                 prefills.append(PrefillSpan(q_start, n, ctx_len, ctx_slots.to(dev), mask.to(dev)))
             if c.sample:
-                logits_rows.append((q_start + n - 1, j))
+                logits_rows.append(q_start + n - 1)
         tables = torch.tensor(
             [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.long
         )
@@ -158,5 +176,13 @@ class ModelRunner:
         return input_ids, positions_t, meta, logits_rows
 
 
-def _is_decode(c: SeqChunk) -> bool:
-    return len(c.token_ids) == 1 and c.start_pos > 0
+def _check_order(chunks: list[SeqChunk]) -> None:
+    """Decodes first, each one token over a cached context: the batch layout every backend relies on."""
+    seen_prompt = False
+    for c in chunks:
+        if not c.decode:
+            seen_prompt = True
+        elif seen_prompt or len(c.token_ids) != 1 or c.start_pos == 0:
+            raise ValueError(
+                "decode chunks must be single tokens over a cached context, before prompt chunks"
+            )

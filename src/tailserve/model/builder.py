@@ -1,0 +1,165 @@
+"""Builds a ready ModelRunner from the model and cache configs: device, threads, weight format,
+context length, KV pool size, attention backend and CUDA graphs (an explicit switch).
+
+It is the one place these choices are made; the engine only receives the result. It never
+schedules, and it allocates the KV pool exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tailserve.config import CacheConfig, ModelConfig
+from tailserve.errors import ConfigError
+from tailserve.model.arch import ArchConfig
+from tailserve.model.attention import AttentionBackend
+from tailserve.model.loader import LoadedModel, load_model
+from tailserve.model.runner import ModelRunner, kv_bytes_per_token
+from tailserve.model.tokenizer import Tokenizer
+from tailserve.model.transformer import TransformerLM
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+MAX_DEFAULT_CONTEXT = 8192
+_ACTIVATIONS_MIB_CUDA = 1 << 30  # room left on the GPU for activations when sizing the pool
+
+
+@dataclass
+class BuiltModel:
+    """A runner over its preallocated KV pool, plus what the engine needs to know about the model."""
+
+    runner: ModelRunner
+    arch: ArchConfig
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    kv_bytes_per_token: int
+    load_s: float
+
+
+def default_cpu_threads() -> int:
+    """One core fewer than the process may use (at least one).
+
+    The spare core runs the HTTP loop, tokenization and everything else: when a parallel op's thread
+    is descheduled, the whole op waits for it, and on 2 cores a 0.5 ms matmul was seen to take 16 ms.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is CUDA when torch sees a device, else CPU; asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(weight_format: str, device: torch.device) -> torch.dtype:
+    """Activation dtype of a weight format: fp32 for fp32, bf16 otherwise (auto: fp32 on CPU, bf16 on CUDA)."""
+    if weight_format == "fp32" or (weight_format == "auto" and device.type == "cpu"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = None) -> BuiltModel:
+    """Load (unless `loaded` is given: tests reuse weights), build the model, size and allocate the pool."""
+    device = resolve_device(mc.device)
+    if device.type == "cpu":
+        torch.set_num_threads(mc.num_threads or default_cpu_threads())  # per process: the engine owns it
+    dtype = resolve_dtype(mc.weight_format, device)
+    if loaded is None:
+        loaded = load_model(mc.model, dtype, mc.seed)
+    arch = loaded.arch
+    max_model_len = min(
+        mc.max_model_len or min(arch.max_position_embeddings, MAX_DEFAULT_CONTEXT),
+        arch.max_position_embeddings,
+    )
+    model = TransformerLM(arch, loaded.weights, max_model_len).to(device)
+    kv_dtype = model.embed.dtype
+    per_token = kv_bytes_per_token(arch, kv_dtype)
+    num_blocks = _num_blocks(cc, device, per_token)
+    runner = ModelRunner(model, num_blocks, cc.block_size, device, backend=_pick_backend(device))
+    if runner.backend.name == "triton" and not mc.enforce_eager:
+        _attach_decode_graphs(runner, max_model_len)
+    tokens = num_blocks * cc.block_size
+    log.info(
+        "KV pool: %d blocks x %d tokens = %d tokens, %d bytes/token (%.1f MiB), "
+        "max %d concurrent requests at %d tokens of context; attention backend %s; decode graphs %s",
+        num_blocks,
+        cc.block_size,
+        tokens,
+        per_token,
+        tokens * per_token / 2**20,
+        tokens // max_model_len,
+        max_model_len,
+        runner.backend.name,
+        "on" if runner.use_decode_graphs else "off",
+    )
+    return BuiltModel(
+        runner=runner,
+        arch=arch,
+        tokenizer=loaded.tokenizer,
+        model_name=mc.served_model_name or loaded.name,
+        max_model_len=max_model_len,
+        kv_bytes_per_token=per_token,
+        load_s=loaded.load_s,
+    )
+
+
+def _num_blocks(cc: CacheConfig, device: torch.device, per_token: int) -> int:
+    """Blocks that fit the KV budget: the configured bytes, or on CUDA what memory utilization leaves."""
+    block_bytes = per_token * cc.block_size
+    if cc.kv_cache_memory_bytes is not None:
+        budget = cc.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        budget = int(total * cc.gpu_memory_utilization) - used_by_others - _ACTIVATIONS_MIB_CUDA
+        log.info(
+            "KV budget: %.2f GiB = %.2f GiB x %.2f - %.2f GiB in use - 1 GiB activations",
+            budget / 2**30,
+            total / 2**30,
+            cc.gpu_memory_utilization,
+            used_by_others / 2**30,
+        )
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // block_bytes
+    if num_blocks < 2:
+        raise ConfigError(
+            f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; give it more memory"
+        )
+    return int(num_blocks)
+
+
+def _attach_decode_graphs(runner: ModelRunner, max_model_len: int) -> None:
+    """CUDA graphs for decode steps at a ladder of batch sizes; the runner stays eager if capture fails."""
+    from tailserve.model.cuda_graphs import DecodeGraphRunner
+
+    try:
+        graphs = DecodeGraphRunner(runner, max_context=max_model_len)
+        seconds = graphs.capture()
+    except Exception:
+        log.exception("CUDA graph capture failed; decode steps run eagerly")
+        return
+    runner.attach_decode_graphs(graphs)
+    log.info("captured decode CUDA graphs for batch sizes %s in %.2f s", graphs.batch_sizes, seconds)
+
+
+def _pick_backend(device: torch.device) -> AttentionBackend | None:
+    """The fastest attention backend for the device; None means the portable torch one."""
+    if device.type != "cuda":
+        return None
+    try:
+        from tailserve.model.triton_attention import TritonPagedAttention  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    backend: AttentionBackend = TritonPagedAttention()
+    return backend
