@@ -1,10 +1,11 @@
 """Offline throughput: tailserve's LLM.generate vs transformers' generate (padded static batches).
 
-Same weights (SmolLM2-135M-Instruct GGUF, dequantized once), same chat prompts of varied length,
-greedy, in one process and one run. By default generation stops at EOS or max tokens, as users run
+Same weights (SmolLM2-135M-Instruct GGUF; transformers gets them dequantized to float32, tailserve
+in its --weight-format), same chat prompts of varied length, greedy, in one process and one run. By default generation stops at EOS or max tokens, as users run
 it, and only useful tokens count (a static batch keeps computing rows that already ended); with
 --ignore-eos every request makes exactly --output-tokens tokens (pure step efficiency).
 Usage: python benchmarks/offline_throughput.py [--batches 1 8 32] [--ignore-eos] [--threads 2]
+       [--weight-format auto|fp32|bf16|int4|int8]   (transformers always runs float32)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from datetime import UTC, datetime
 
 import torch
+from hf_models import hf_model
+from transformers import LlamaForCausalLM
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLM, SamplingParams
@@ -59,30 +62,8 @@ def useful_tokens(row: list[int], eos: frozenset[int]) -> int:
     return len(row)
 
 
-def hf_model(model: LoadedModel) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    a = model.arch
-    cfg = LlamaConfig(
-        vocab_size=a.vocab_size,
-        hidden_size=a.hidden_size,
-        num_hidden_layers=a.num_layers,
-        num_attention_heads=a.num_heads,
-        num_key_value_heads=a.num_kv_heads,
-        intermediate_size=a.intermediate_size,
-        rope_theta=a.rope_theta,
-        rms_norm_eps=a.rms_norm_eps,
-        tie_word_embeddings=a.tie_word_embeddings,
-        max_position_embeddings=a.max_position_embeddings,
-    )
-    hf = LlamaForCausalLM(cfg).eval()
-    hf.load_state_dict(model.weights, strict=False)
-    hf.tie_weights()
-    return hf
-
-
 def run_hf(
-    hf: torch.nn.Module, prompts: list[list[int]], out_tokens: int, ignore_eos: bool, eos: frozenset[int]
+    hf: LlamaForCausalLM, prompts: list[list[int]], out_tokens: int, ignore_eos: bool, eos: frozenset[int]
 ) -> tuple[float, int]:
     width = max(len(p) for p in prompts)
     pad = 2
@@ -124,19 +105,26 @@ def main() -> None:
         "--repeats", type=int, default=2, help="alternating runs per engine; the median is kept"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--weight-format", default="auto", help="tailserve's weights: auto, fp32, bf16, int4, int8"
+    )
     parser.add_argument("--json", default=None, help="also write results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model("default", torch.float32)
+    model = load_model("default", torch.float32)  # transformers' copy (and the prompts' tokenizer)
     hf = hf_model(model)
     config = EngineConfig(
         model=ModelConfig(
-            model="default", dtype="float32", device="cpu", max_model_len=2048, num_threads=args.threads
+            model="default",
+            weight_format=args.weight_format,
+            device="cpu",
+            max_model_len=2048,
+            num_threads=args.threads,
         ),
         cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(args.batches)),
     )
-    llm = LLM(config=config, loaded=model)
+    llm = LLM(config=config)  # loads its own weights in the format asked for
     eos = model.tokenizer.eos_token_ids
     warm = make_prompts(model, 2)
     run_hf(hf, warm, 4, True, eos)
@@ -167,7 +155,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     print()
     mode = "EOS ignored" if args.ignore_eos else "stop at EOS"
-    print(f"{platform.machine()}, {args.threads} threads, fp32, {mode}, {datetime.now(UTC):%Y-%m-%d}")
+    print(
+        f"{platform.machine()}, {args.threads} threads, tailserve {args.weight_format}, {mode}, {datetime.now(UTC):%Y-%m-%d}"
+    )
     print("| batch | transformers tok/s | tailserve tok/s | ratio |")
     print("| ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -175,7 +165,14 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"rows": rows, "date": datetime.now(UTC).isoformat(), "threads": args.threads}, f, indent=2
+                {
+                    "rows": rows,
+                    "date": datetime.now(UTC).isoformat(),
+                    "threads": args.threads,
+                    "weight_format": args.weight_format,
+                },
+                f,
+                indent=2,
             )
 
 

@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import platform
 import random
-import signal
 import socket
 import string
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+from proc import ServerProcess, thread_env
+
+from tailserve.bench.stats import nearest_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("hash", "least_load", "prefix")
@@ -76,16 +79,14 @@ class PolicyResult:
     decisions: dict[str, float] = field(default_factory=dict)
 
 
-def nearest_rank(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of the raw values (the project's one definition)."""
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of the finite values (NaN when there are none)."""
     data = sorted(v for v in values if not math.isnan(v))
-    if not data:
-        return math.nan
-    return data[max(0, math.ceil(q / 100 * len(data)) - 1)]
+    return nearest_rank(data, q) if data else math.nan
 
 
 def _text(rng: random.Random, chars: int) -> str:
-    words = []
+    words: list[str] = []
     while sum(len(w) + 1 for w in words) < chars:
         words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))))
     return " ".join(words)[:chars]
@@ -192,32 +193,6 @@ def free_ports(n: int, base: int) -> list[int]:
         return run
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def scrape(url: str) -> dict[str, float]:
     """Unlabelled samples of a /metrics page, plus labelled ones under their full sample name."""
     values: dict[str, float] = {}
@@ -230,37 +205,32 @@ def scrape(url: str) -> dict[str, float]:
 
 def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Namespace) -> PolicyResult:
     """Fresh replicas and router, one run, then the numbers."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = thread_env(1)
     *replica_ports, router_port = free_ports(4, args.base_port)
     tailserve = [sys.executable, "-m", "tailserve.cli"]
-    replicas = [
-        subprocess.Popen(
-            [*tailserve, "serve", "--model", args.model, "--port", str(p), "--log-level", "warning"]
-            + ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
-            + ["--max-waiting", "100000", "--slo-ttft", "1000"],  # measure queueing, do not shed it
-            env=env,
-            cwd=ROOT,
-        )
-        for p in replica_ports
-    ]
+    logs = Path(tempfile.mkdtemp(prefix=f"router-{workload}-{policy}-"))
     replica_urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
     router_url = f"http://127.0.0.1:{router_port}"
-    procs = list(replicas)
-    try:
-        for url, proc in zip(replica_urls, replicas, strict=True):
-            wait_ready(url, proc)
+    with contextlib.ExitStack() as stack:  # every process is stopped however the block is left
+        replicas = []
+        for i, port in enumerate(replica_ports):
+            cmd = [*tailserve, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning"]
+            cmd += ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
+            cmd += ["--max-waiting", "100000", "--slo-ttft", "1000"]  # measure queueing, do not shed it
+            log_path = logs / f"replica-{i}.log"
+            replicas.append(stack.enter_context(ServerProcess(cmd, port, log_path, env=env, cwd=ROOT)))
+        for replica in replicas:
+            replica.wait_ready(timeout_s=300)
         cmd = [*tailserve, "route", "--policy", policy, "--port", str(router_port), "--log-level", "warning"]
         for url in replica_urls:
             cmd += ["--replica", url]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
-        wait_ready(router_url, procs[-1])
+        router = stack.enter_context(ServerProcess(cmd, router_port, logs / "router.log", env=env, cwd=ROOT))
+        router.wait_ready(timeout_s=300)
         model = httpx.get(router_url + "/v1/models").json()["data"][0]["id"]
         before = [scrape(u) for u in replica_urls]
         samples = asyncio.run(run_jobs(router_url, model, jobs))
         after = [scrape(u) for u in replica_urls]
         router_metrics = scrape(router_url)
-    finally:
-        stop(procs)
 
     def delta(name: str, i: int) -> float:
         return after[i].get(name, 0.0) - before[i].get(name, 0.0)
@@ -279,11 +249,11 @@ def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Names
         policy=policy,
         requests=len(samples),
         errors=len(samples) - len(good),
-        p50_ttft_s=nearest_rank([s.ttft_s for s in good], 50),
-        p99_ttft_s=nearest_rank([s.ttft_s for s in good], 99),
-        p50_tpot_s=nearest_rank([s.tpot_s for s in good], 50),
-        p99_tpot_s=nearest_rank([s.tpot_s for s in good], 99),
-        p99_e2e_s=nearest_rank([s.e2e_s for s in good], 99),
+        p50_ttft_s=percentile([s.ttft_s for s in good], 50),
+        p99_ttft_s=percentile([s.ttft_s for s in good], 99),
+        p50_tpot_s=percentile([s.tpot_s for s in good], 50),
+        p99_tpot_s=percentile([s.tpot_s for s in good], 99),
+        p99_e2e_s=percentile([s.e2e_s for s in good], 99),
         prefix_hit_rate=hits / queries if queries else math.nan,
         max_e2e_s=max((s.e2e_s for s in good), default=math.nan),
         preemptions=int(sum(delta("tailserve_preemptions_total", i) for i in range(3))),

@@ -1,0 +1,193 @@
+"""Command lines for every server a benchmark starts: tailserve (fcfs / slo), `transformers serve`
+(with and without continuous batching), llama.cpp's server and vLLM's CPU engine, each matched to
+the same limits as closely as its flags allow. Builds commands only; proc.py runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from peers.envs import HF_DIR, PEERS_PYTHON, TAILSERVE, VLLM_PYTHON
+
+LLAMACPP_SERVER = Path(__file__).with_name("llamacpp_server.py")
+GREEDY: dict[str, Any] = {"temperature": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What every server gets: threads, concurrent sequences, tokens per forward step, context per sequence."""
+
+    threads: int = 2
+    max_seqs: int = 16
+    step_tokens: int = 256
+    ctx_per_seq: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """One server under test: how to start it, when it is ready, what the bench must send it."""
+
+    key: str
+    label: str
+    command: list[str]
+    env: dict[str, str]
+    ready_path: str
+    bench_args: list[str]
+    extra_body: dict[str, Any]
+    notes: str
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def tailserve(
+    policy: str,
+    port: int,
+    limits: Limits,
+    slo: tuple[float, float] | None = None,
+    extra_args: tuple[str, ...] = (),
+    kv_cache_memory: str = "1536MiB",
+) -> ServerSpec:
+    """`tailserve serve` of the default model, prefix caching off; `slo` = (TTFT s, TPOT s) targets."""
+    command = [str(TAILSERVE), "serve", "--model", "default", "--schedule-policy", policy]
+    command += [
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(limits.max_seqs),
+        "--num-threads",
+        str(limits.threads),
+    ]
+    command += ["--max-num-batched-tokens", str(limits.step_tokens), "--kv-cache-memory", kv_cache_memory]
+    command += ["--no-prefix-caching", "--log-level", "warning"]
+    notes = f"default weight format, paged KV pool {kv_cache_memory}, prefix caching off"
+    if slo is not None:
+        command += ["--slo-ttft", f"{slo[0]:g}", "--slo-tpot", f"{slo[1]:g}"]
+        notes += (
+            ", told the SLO (--slo-ttft/--slo-tpot: admission control answers 429 when the predicted "
+            "wait breaks the TTFT target; `slo` also orders and caps prefill by it)"
+        )
+    command += list(extra_args)
+    if extra_args:
+        notes += f", extra flags `{' '.join(extra_args)}`"
+    return ServerSpec(
+        key=f"ts-{policy}",
+        label=f"tailserve ({policy})",
+        command=command,
+        env=thread_env(limits.threads),
+        ready_path="/ready",
+        bench_args=[],
+        extra_body=GREEDY,
+        notes=notes,
+    )
+
+
+# `transformers serve` with continuous batching's block sharing (its prefix cache) off. Benchmarks
+# repeat the same seeded prompts, so a prefix cache would serve later runs from memory; the CLI has
+# no flag for it. Every server runs without one (tailserve --no-prefix-caching, llama.cpp
+# cache_prompt off, vLLM --no-enable-prefix-caching).
+HF_LAUNCH = """
+import sys
+from transformers import ContinuousBatchingConfig
+from transformers.cli.transformers import main
+post_init = ContinuousBatchingConfig.__post_init__
+def no_block_sharing(self):
+    post_init(self)
+    self.allow_block_sharing = False
+ContinuousBatchingConfig.__post_init__ = no_block_sharing
+sys.argv = ["transformers", *sys.argv[1:]]
+main()
+"""
+
+
+def transformers_serve(port: int, limits: Limits, continuous_batching: bool) -> ServerSpec:
+    """`transformers serve` of the HF copy, float32; it knows no `ignore_eos`, so an eos id that
+    never occurs has the same effect."""
+    no_eos = {**GREEDY, "generation_config": json.dumps({"eos_token_id": -1})}
+    command = [str(PEERS_PYTHON), "-c", HF_LAUNCH, "serve", str(HF_DIR), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+    env = {**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if not continuous_batching:
+        return ServerSpec(
+            key="hf",
+            label="transformers serve",
+            command=command,
+            env=env,
+            ready_path="/health",
+            bench_args=["--no-ignore-eos"],
+            extra_body=no_eos,
+            notes="float32; one `model.generate()` at a time (no batching): requests queue in the server",
+        )
+    kv_tokens = limits.max_seqs * limits.ctx_per_seq
+    command += ["--continuous-batching", "--cb-max-batch-tokens", str(limits.step_tokens)]
+    command += ["--cb-num-blocks", str(kv_tokens // 256)]
+    return ServerSpec(
+        key="hf-cb",
+        label="transformers serve --continuous-batching",
+        command=command,
+        env=env,
+        ready_path="/health",
+        bench_args=["--no-ignore-eos"],
+        extra_body=no_eos,
+        notes=(
+            f"float32; paged KV of {kv_tokens} tokens (256-token pages), {limits.step_tokens} tokens a step; "
+            "block sharing (its prefix cache) off through the launcher; no cap on concurrent sequences exposed"
+        ),
+    )
+
+
+def llamacpp(port: int, gguf: Path, limits: Limits, key: str = "llamacpp") -> ServerSpec:
+    """llama.cpp's server on the Q4_1 GGUF itself (its native kernels), prompt cache off."""
+    command = [str(PEERS_PYTHON), str(LLAMACPP_SERVER), "--port", str(port), "--gguf", str(gguf)]
+    command += ["--threads", str(limits.threads), "--parallel", str(limits.max_seqs)]
+    command += ["--step-tokens", str(limits.step_tokens), "--ctx-per-seq", str(limits.ctx_per_seq)]
+    threads = f"{limits.threads} thread" + ("s" if limits.threads > 1 else "")
+    return ServerSpec(
+        key=key,
+        label=f"llama.cpp server (xllamacpp, {threads})",
+        command=command,
+        env=thread_env(limits.threads),
+        ready_path="/health",
+        bench_args=[],
+        extra_body={**GREEDY, "cache_prompt": False},
+        notes=(
+            f"{threads}; Q4_1 weights as they are, f16 KV, {limits.max_seqs} slots x {limits.ctx_per_seq} "
+            f"tokens, n_batch = n_ubatch = {limits.step_tokens}, continuous batching, prompt cache off"
+        ),
+    )
+
+
+def vllm_cpu(port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib: int = 2) -> ServerSpec:
+    """vLLM's CPU engine on the HF copy, cast to bf16. Its OpenMP threads are pinned to cores
+    0..threads-1; the `vllm` console script fails (the metadata is named `vllm-cpu`), so the API
+    server module is run directly. Ready after ~110 s on the 2-core box."""
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR)]
+    command += ["--served-model-name", "smollm2-135m", "--dtype", "bfloat16"]
+    command += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(limits.max_seqs)]
+    command += ["--max-num-batched-tokens", str(limits.step_tokens)]
+    command += ["--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+    env = {
+        **thread_env(limits.threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "0" if limits.threads == 1 else f"0-{limits.threads - 1}",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    return ServerSpec(
+        key="vllm",
+        label="vLLM CPU engine (bf16)",
+        command=command,
+        env=env,
+        ready_path="/health",
+        bench_args=[],
+        extra_body=GREEDY,
+        notes=(
+            f"vllm-cpu 0.32.0, bf16, {kv_cache_gib} GiB KV (VLLM_CPU_KVCACHE_SPACE), {limits.threads} "
+            f"OpenMP thread(s) pinned, at most {limits.max_seqs} sequences, {limits.step_tokens} tokens a step, "
+            "prefix caching off"
+        ),
+    )
