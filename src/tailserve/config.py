@@ -34,6 +34,7 @@ class ModelConfig:
     model: str = "default"
     weight_format: str = "auto"  # auto: the fastest format that keeps quality (CPU), bf16 on CUDA
     kv_cache_dtype: str = "auto"  # auto: the activation dtype of the weight format
+    force_weight_format: bool = False  # serve an explicit weight format even if it fails the quality gate
     dtype: str = "auto"  # deprecated: folded into weight_format
     device: str = "auto"  # auto: CUDA when available
     max_model_len: int | None = None  # None: the model's own context, capped at 8192

@@ -23,6 +23,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--weight-format", default="auto", help="auto, fp32, bf16, int4 or int8")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp32 or bf16")
+    p.add_argument(
+        "--force-weight-format", action="store_true", help="serve it even if it fails the quality gate"
+    )
     p.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)  # old spelling of --weight-format
     p.add_argument("--device", default="auto")
     p.set_defaults(func=_generate)
@@ -47,6 +50,7 @@ def _generate(args: argparse.Namespace) -> int:
             args.model,
             weight_format=args.weight_format,
             kv_cache_dtype=args.kv_cache_dtype,
+            force_weight_format=args.force_weight_format,
             dtype=args.dtype,
             device=args.device,
         )

@@ -45,6 +45,11 @@ def register(subparsers: Any) -> None:
     m.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: the activation dtype"
     )
+    m.add_argument(
+        "--force-weight-format",
+        action="store_true",
+        help="serve --weight-format even if it fails the quality gate (see `tailserve eval`)",
+    )
     m.add_argument("--dtype", choices=DTYPES, default="auto", help=argparse.SUPPRESS)  # old --weight-format
     m.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when available")
     m.add_argument(
@@ -96,6 +101,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             model=args.model,
             weight_format=args.weight_format,
             kv_cache_dtype=args.kv_cache_dtype,
+            force_weight_format=args.force_weight_format,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
