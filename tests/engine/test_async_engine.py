@@ -102,3 +102,60 @@ def test_cli_generate_reports_bad_model() -> None:
     )
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+def test_wait_estimate_counts_requests_not_yet_seen_by_the_step_loop(smol: LoadedModel) -> None:
+    """A burst arrives faster than the engine thread drains its inbox: each generate() call must
+    raise the next request's predicted wait at once, not after the next step."""
+
+    async def main() -> None:
+        config = EngineConfig(
+            model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
+            cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="fcfs"),
+        )
+        engine = AsyncEngine(config, loaded=smol)
+        # Teach the step timer its cost per prompt token with one prefill, driven by hand.
+        warm = engine.engine
+        warm.add_request("timer", list(range(100, 150)), SamplingParams(max_tokens=1, temperature=0.0))
+        while warm.has_unfinished():
+            warm.step()
+        prompt = list(range(200, 250))
+        assert engine.estimate_wait_s(len(prompt)) == 0.0  # nothing ahead
+        # The step loop is not started: these requests sit in the inbox, unseen by the engine.
+        streams = [engine.generate(f"b{i}", prompt, SamplingParams(max_tokens=4)) for i in range(3)]
+        waits = [engine.estimate_wait_s(len(prompt))]
+        streams.append(engine.generate("b3", prompt, SamplingParams(max_tokens=4)))
+        waits.append(engine.estimate_wait_s(len(prompt)))
+        assert 0 < waits[0] < waits[1]
+        await engine.start()
+        for stream in streams:
+            async for _ in stream:
+                pass
+        await _wait_idle(engine)
+        assert engine.estimate_wait_s(len(prompt)) == 0.0  # seen, served, gone from the count
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_refused_request_raises_on_the_stream_and_a_duplicate_id_keeps_the_first(smol: LoadedModel) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(_config(), loaded=smol)
+        await engine.start()
+        too_long = SamplingParams(max_tokens=10_000)
+        with pytest.raises(InvalidRequestError):  # LLMEngine.add_request is the one border
+            async for _ in engine.generate("long", [1, 2, 3], too_long):
+                pass
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        first = engine.generate("same", [5, 6, 7], params)
+        second = engine.generate("same", [5, 6, 7], params)
+        with pytest.raises(InvalidRequestError):
+            async for _ in second:
+                pass
+        outs = [out async for out in first]
+        assert outs[-1].finished and len(outs[-1].token_ids) == 30
+        await _wait_idle(engine)
+        await engine.shutdown()
+
+    asyncio.run(main())

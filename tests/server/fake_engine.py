@@ -2,17 +2,21 @@
 
 Byte-level tokenizer, a fixed reply text, a semaphore for running slots and a counted block pool;
 it never imports torch and is not a model: it exists to test error mapping, admission and disconnects.
+Like AsyncEngine it queues a request when generate() is called and reports refusals on the stream;
+its wait estimate is a known model: requests queued ahead x step_s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
+from tailserve.config import EngineConfig, SchedulerConfig
 from tailserve.engine.request import RequestOutput, RequestTimings, SamplingParams
+from tailserve.engine.stats import EngineStats
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 
 VOCAB_SIZE = 256
@@ -32,19 +36,6 @@ class ByteTokenizer:
         return self.encode(text + "<assistant>")
 
 
-@dataclass(frozen=True)
-class FakeStats:
-    """Same fields as the engine's EngineStats."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions_total: int
-
-
 class FakeEngine:
     """Generates `reply` (rotated by seed) one byte per step of `step_s` seconds."""
 
@@ -60,8 +51,12 @@ class FakeEngine:
         reply: str = "The quick brown fox jumps over the lazy dog. ",
         wait_estimate_s: float | None = None,
         warmup_delay_s: float = 0.0,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.tokenizer = ByteTokenizer()
+        self.config = EngineConfig(scheduler=scheduler or SchedulerConfig())
+        self.gate = threading.Event()  # cleared: requests stay queued (a stalled engine) until set
+        self.gate.set()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.step_s = step_s
@@ -91,7 +86,8 @@ class FakeEngine:
         for request_id in self.running | self.waiting:
             self.abort(request_id)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own border (LLMEngine.add_request): token range and context."""
         if any(t >= VOCAB_SIZE for t in prompt_token_ids):
             raise InvalidRequestError(f"token ids must be < {VOCAB_SIZE}", "prompt")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -107,8 +103,8 @@ class FakeEngine:
         if request_id in self.running or request_id in self.waiting:
             self._aborted.add(request_id)
 
-    def stats(self) -> FakeStats:
-        return FakeStats(
+    def stats(self) -> EngineStats:
+        return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_blocks_total=self.kv_blocks_total,
@@ -116,6 +112,7 @@ class FakeEngine:
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_queries // 2,
             preemptions_total=0,
+            steps_total=0,
         )
 
     def estimate_wait_s(self, num_prompt_tokens: int) -> float:
@@ -127,19 +124,30 @@ class FakeEngine:
         shift = (params.seed or 0) % len(self.reply)
         return (self.reply[shift:] + self.reply[:shift]).encode("utf-8")
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        self.check_request(prompt_token_ids, params)
+        """Queued now (the wait estimate counts it at once); a refusal is raised on first iteration."""
+        try:
+            self._check(prompt_token_ids, params)
+        except InvalidRequestError as exc:
+            return _refused(exc)
         self.generate_calls += 1
+        self.waiting.add(request_id)
+        return self._run(request_id, prompt_token_ids, params)
+
+    async def _run(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         assert self._slots is not None, "start() first"
         timings = RequestTimings(arrival=time.monotonic(), prompt_tokens=len(prompt_token_ids))
-        self.waiting.add(request_id)
         held_blocks = 0
         acquired = False
         try:
             if request_id.startswith("warmup-"):
                 await asyncio.sleep(self.warmup_delay_s)
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
             await self._slots.acquire()
             acquired = True
             self.waiting.discard(request_id)
@@ -199,3 +207,8 @@ class FakeEngine:
             self._aborted.discard(request_id)
             if acquired:
                 self._slots.release()
+
+
+async def _refused(exc: Exception) -> AsyncIterator[RequestOutput]:
+    raise exc
+    yield

@@ -1,6 +1,7 @@
-"""Start a tailserve server on a free loopback port: uvicorn in a thread (fake engine) or a subprocess.
+"""Start a tailserve server on a free loopback port: uvicorn in a thread (fake engine) or a process.
 
-Test plumbing only; it never picks a fixed port and always stops what it started.
+The one "start a process, poll /ready, stop it" helper of the tests (server, router, bench). Test
+plumbing only; it never picks a fixed port and always stops what it started.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import uvicorn
 
+from tailserve.router import launcher
 from tailserve.server.app import create_app
 from tailserve.server.config import ServerConfig
 from tailserve.server.engine_api import Engine
@@ -34,18 +36,44 @@ def free_port() -> int:
 
 
 def wait_ready(base_url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Poll /ready until 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited early with {proc.returncode}")
+    """Poll /ready until 200 (the launcher's own loop: one implementation for src and tests)."""
+    launcher.wait_ready([base_url], [proc] if proc is not None else [], timeout_s, poll_s=0.05)
+
+
+@dataclass
+class ServerProcess:
+    """A server (or router, or fake) process started by `running_process`, with its log file."""
+
+    base: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def tailserve_command(*args: str) -> list[str]:
+    """`python -m tailserve.cli ARGS`, with this interpreter."""
+    return [sys.executable, "-m", "tailserve.cli", *args]
+
+
+@contextmanager
+def running_process(
+    cmd: list[str], port: int, ready_timeout_s: float = 120, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """Start `cmd` (which listens on `port`), wait for /ready, yield it; always stop it (SIGKILL if still up)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), **(env or {})}
+    log_path = Path(f"/tmp/tailserve-test-{port}.log")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
-            if httpx.get(f"{base_url}/ready", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s}s")
+            handle = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+            wait_ready(handle.base, ready_timeout_s, proc)
+            yield handle
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 @contextmanager
@@ -75,32 +103,12 @@ def threaded_server(engine: Engine, config: ServerConfig | None = None, ready: b
 @contextmanager
 def serve_process(
     args: list[str], ready_timeout_s: float = 120, fake: bool = False
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+) -> Iterator[ServerProcess]:
     """`tailserve serve ARGS` (or tests/server/fake_serve.py when fake) as a subprocess on a free port."""
     port = free_port()
     if fake:
         cmd = [sys.executable, str(REPO / "tests/server/fake_serve.py"), "--port", str(port), *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tailserve.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *args,
-        ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    log = open(f"/tmp/tailserve-test-{port}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, ready_timeout_s, proc)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        log.close()
+        cmd = tailserve_command("serve", "--port", str(port), "--log-level", "warning", *args)
+    with running_process(cmd, port, ready_timeout_s) as handle:
+        yield handle

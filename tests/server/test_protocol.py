@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.errors import InvalidJSONError, UnsupportedParameterError, to_http
+from tailserve.server.generation_defaults import GenerationDefaults, read_generation_defaults
+from tailserve.server.json_body import parse_json
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_prompt_ids,
     completion_prompt_ids,
-    parse_json,
     sampling_params,
     validate_body,
 )
@@ -99,7 +101,7 @@ def test_message_errors_point_into_the_list() -> None:
 )
 def test_unsupported_completion_parameters_are_refused(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(UnsupportedParameterError) as info:
-        sampling_params(completion(**fields), 2, 100)
+        sampling_params(completion(**fields), 2, 100, 1024)
     assert info.value.param == param
     assert to_http(info.value).status == 400
 
@@ -117,7 +119,7 @@ def test_unsupported_completion_parameters_are_refused(fields: dict[str, Any], p
 )
 def test_unsupported_chat_parameters_are_refused(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(UnsupportedParameterError) as info:
-        sampling_params(chat(**fields), 2, 100)
+        sampling_params(chat(**fields), 2, 100, 1024)
     assert info.value.param == param
 
 
@@ -129,30 +131,30 @@ def test_default_values_of_unsupported_parameters_are_accepted() -> None:
         "tool_choice": "none",
         "response_format": {"type": "text"},
     }
-    sampling_params(chat(**fields, presence_penalty=0, frequency_penalty=0.0, logit_bias={}), 2, 100)
-    sampling_params(completion(n=1, echo=False, best_of=1, logprobs=None), 2, 100)
+    sampling_params(chat(**fields, presence_penalty=0, frequency_penalty=0.0, logit_bias={}), 2, 100, 1024)
+    sampling_params(completion(n=1, echo=False, best_of=1, logprobs=None), 2, 100, 1024)
 
 
 def test_sampling_fields_reach_sampling_params() -> None:
     req = completion(
         max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11, stop=["x", "yz"], ignore_eos=True
     )
-    p = sampling_params(req, 2, 100)
+    p = sampling_params(req, 2, 100, 1024)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.0, 0.5, 3, 11)
     assert p.stop == ("x", "yz") and p.ignore_eos
-    assert sampling_params(completion(stop="."), 2, 100).stop == (".",)
-    assert sampling_params(completion(), 2, 100).max_tokens == 16  # the OpenAI completions default
+    assert sampling_params(completion(stop="."), 2, 100, 1024).stop == (".",)
+    assert sampling_params(completion(), 2, 100, 1024).max_tokens == 16  # the OpenAI completions default
 
 
 def test_chat_max_tokens_default_and_alias() -> None:
-    assert sampling_params(chat(), 30, 100).max_tokens == 70  # the rest of the context
-    assert sampling_params(chat(max_completion_tokens=5, max_tokens=9), 30, 100).max_tokens == 5
+    assert sampling_params(chat(), 30, 100, 1024).max_tokens == 70  # the rest of the context
+    assert sampling_params(chat(max_completion_tokens=5, max_tokens=9), 30, 100, 1024).max_tokens == 5
     with pytest.raises(InvalidRequestError) as info:
-        sampling_params(chat(max_completion_tokens=0), 30, 100)
+        sampling_params(chat(max_completion_tokens=0), 30, 100, 1024)
     assert info.value.param == "max_completion_tokens"
     assert "max_completion_tokens" in info.value.message
     with pytest.raises(ContextLengthExceededError):
-        sampling_params(chat(), 100, 100)
+        sampling_params(chat(), 100, 100, 1024)
 
 
 def test_value_ranges_come_from_sampling_params() -> None:
@@ -162,7 +164,7 @@ def test_value_ranges_come_from_sampling_params() -> None:
         ({"top_p": 0}, "top_p"),
     ]:
         with pytest.raises(InvalidRequestError) as info:
-            sampling_params(completion(**fields), 2, 100)
+            sampling_params(completion(**fields), 2, 100, 1024)
         assert info.value.param == param
 
 
@@ -195,3 +197,81 @@ def test_error_body_shape() -> None:
     assert json.loads(json.dumps(body)) == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "max_tokens", "code": None}
     }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 1000 + b"]" * 1000,  # RecursionError in pydantic before
+        b'{"a": ' * 40 + b"1" + b"}" * 40,  # past MAX_JSON_DEPTH, still parseable
+        b'{"model": "m", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",  # int digit limit
+        b'{"model": "m", "prompt": "\\ud800"}',  # lone surrogate: no tokenizer takes it
+        b'{"model": "m", "messages": [{"role": "user", "content": "x\\udfff"}]}',
+        b'{"\\ud800": 1}',
+    ],
+)
+def test_bodies_that_crashed_later_layers_are_invalid_json(body: bytes) -> None:
+    with pytest.raises(InvalidJSONError):
+        parse_json(body)
+
+
+def test_a_body_at_the_depth_limit_still_parses() -> None:
+    assert parse_json(b'{"a": ' * 31 + b"1" + b"}" * 31)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_seed_outside_64_bits_is_400(seed: int) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        sampling_params(completion(seed=seed), 2, 100, 1024)
+    assert info.value.param == "seed"
+
+
+def test_seed_at_the_64_bit_borders_is_accepted() -> None:
+    assert sampling_params(completion(seed=2**64 - 1), 2, 100, 1024).seed == 2**64 - 1
+    assert sampling_params(completion(seed=-(2**63)), 2, 100, 1024).seed == -(2**63)
+
+
+@pytest.mark.parametrize("content", [None, []])
+def test_user_message_without_content_is_400(content: Any) -> None:
+    req = chat(messages=[{"role": "user", "content": content}])
+    with pytest.raises(InvalidRequestError) as info:
+        chat_prompt_ids(req, TOK)
+    assert info.value.param == "messages[0].content"
+    # An assistant turn may carry no content (it held tool calls in the client's history).
+    ok = chat(messages=[{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}])
+    assert chat_prompt_ids(ok, TOK)
+
+
+def test_missing_max_tokens_is_capped_by_the_server_default() -> None:
+    assert sampling_params(chat(), 30, 8192, 1024).max_tokens == 1024
+    assert sampling_params(chat(), 30, 100, 1024).max_tokens == 70  # the context left is smaller
+    assert sampling_params(completion(), 2, 100, 8).max_tokens == 8  # below OpenAI's 16
+    assert sampling_params(chat(max_tokens=2000), 30, 8192, 1024).max_tokens == 2000  # explicit wins
+
+
+def test_model_generation_defaults_fill_only_what_the_request_leaves_out() -> None:
+    model = GenerationDefaults(temperature=0.2, top_p=0.9, top_k=40)
+    p = sampling_params(chat(), 2, 100, 1024, model)
+    assert (p.temperature, p.top_p, p.top_k) == (0.2, 0.9, 40)
+    p = sampling_params(chat(temperature=1.0, top_p=1.0, top_k=0), 2, 100, 1024, model)
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 0)
+    p = sampling_params(chat(), 2, 100, 1024)
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 0)  # OpenAI's
+
+
+def test_generation_defaults_from_hf_config_and_gguf(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
+    assert read_generation_defaults(tmp_path) == GenerationDefaults(temperature=0.6, top_p=0.95)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 20}))
+    assert read_generation_defaults(tmp_path) == GenerationDefaults(temperature=0.0, top_k=20)
+    assert read_generation_defaults(tmp_path / "missing") == GenerationDefaults()
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_float32("general.sampling.temp", 0.25)
+    writer.add_int32("general.sampling.top_k", 30)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_generation_defaults(path) == GenerationDefaults(temperature=0.25, top_k=30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import threading
@@ -21,7 +22,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.harness import serve_process
+from tests.server.bad_inputs import BAD_INPUTS, check_bad_inputs
+from tests.server.harness import REPO, serve_process
 
 TINY = "dummy-tiny"
 
@@ -63,8 +65,8 @@ def assert_idle(base: str) -> None:
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[str]:
-    with serve_process(["--model", "dummy:tiny", "--max-body-bytes", "256KiB"]) as (base, _):
-        yield base
+    with serve_process(["--model", "dummy:tiny", "--max-body-bytes", "256KiB"]) as server:
+        yield server.base
 
 
 def client(base: str) -> openai.OpenAI:
@@ -213,67 +215,30 @@ def test_client_disconnect_mid_stream_frees_everything(tiny: str) -> None:
     assert value(tiny, "tailserve_requests_finished_total", finish_reason="abort") == aborted + 1
 
 
-BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], int, str | None]] = [
-    ("/v1/completions", b'{"model": "dummy-tiny", "prompt": ', 400, None),
-    ("/v1/completions", b'{"model": "dummy-tiny", "prompt": "\xff\xfe"}', 400, None),
-    ("/v1/completions", b"[1, 2, 3]", 400, None),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
-    ("/v1/completions", {"model": TINY, "prompt": 12}, 400, "prompt"),
-    ("/v1/completions", {"model": TINY}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "a"}, 400, "model"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "max_tokens": 10**6}, 400, "max_tokens"),
-    ("/v1/completions", {"model": TINY, "prompt": "a" * 3000, "max_tokens": 1}, 400, "prompt"),
-    ("/v1/completions", {"model": TINY, "prompt": [10**9]}, 400, "prompt"),
-    ("/v1/completions", {"model": TINY, "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"model": TINY, "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
-    (
-        "/v1/completions",
-        {"model": TINY, "prompt": "a", "stream_options": {"include_usage": True}},
-        400,
-        "stream_options",
-    ),
-    ("/v1/completions", {"model": TINY, "prompt": "a" * 300_000}, 413, None),
-    ("/v1/chat/completions", {"model": TINY, "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": TINY, "messages": "hi"}, 400, "messages"),
-    (
-        "/v1/chat/completions",
-        {"model": TINY, "messages": [{"role": "user"}], "tools": [{"type": "function"}]},
-        400,
-        "tools",
-    ),
-    ("/v1/chat/completions", {"model": TINY, "messages": [{"content": "x"}]}, 400, "messages[0].role"),
-    (
-        "/v1/chat/completions",
-        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
-        400,
-        "max_completion_tokens",
-    ),
-    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-]
-
-
 def test_bad_inputs_get_status_and_error_body_and_change_nothing(tiny: str) -> None:
     before = value(tiny, "tailserve_prompt_tokens_count")
-    with httpx.Client(base_url=tiny, timeout=30) as http:
-        for path, body, status, param in BAD_INPUTS:
-            content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            r = http.post(path, content=content, headers={"content-type": "application/json"})
-            assert r.status_code == status, (body, r.text)
-            error = r.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"}, r.text
-            assert error["message"] and error["type"]
-            assert error["param"] == param, (body, r.text)
-        ok = http.post("/v1/completions", json={"model": TINY, "prompt": "fine", "max_tokens": 2})
-        assert ok.status_code == 200
-    assert value(tiny, "tailserve_prompt_tokens_count") == before + 1  # only the good one ran
+    check_bad_inputs(tiny, tiny)
+    good = len([e for e in BAD_INPUTS if e.body_read])  # each followed by one good request
+    assert value(tiny, "tailserve_prompt_tokens_count") == before + good  # only the good ones ran
     assert value(tiny, "tailserve_request_errors_total", status="400") >= 20
+    assert value(tiny, "tailserve_request_errors_total", status="415") >= 2
     assert_idle(tiny)
+
+
+def test_oversized_headers_get_431_json_not_a_reset(tiny: str) -> None:
+    r = httpx.post(
+        f"{tiny}/v1/completions",
+        json={"model": TINY, "prompt": "a", "max_tokens": 1},
+        headers={"x-padding": "p" * 200_000},
+    )
+    assert r.status_code == 431 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{tiny}/health").status_code == 200
+
+
+def test_routing_errors_are_openai_json_with_allow(tiny: str) -> None:
+    r = httpx.get(f"{tiny}/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"]
+    assert httpx.get(f"{tiny}/v1/nothing").json()["error"]["code"] == "not_found"
 
 
 def test_metrics_parse_and_histograms_move(tiny: str) -> None:
@@ -314,7 +279,8 @@ def test_metrics_parse_and_histograms_move(tiny: str) -> None:
 
 def test_overload_with_tiny_queue_gives_429_and_accepted_requests_complete() -> None:
     args = ["--model", "dummy:tiny", "--max-waiting", "1", "--max-num-seqs", "2"]
-    with serve_process(args) as (base, _):
+    with serve_process(args) as server:
+        base = server.base
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=base, timeout=60) as http:
@@ -338,7 +304,8 @@ def test_overload_with_tiny_queue_gives_429_and_accepted_requests_complete() -> 
 
 
 def test_sigterm_finishes_the_stream_refuses_new_requests_and_exits_zero() -> None:
-    with serve_process(["--model", "dummy:tiny", "--drain-timeout", "60"]) as (base, proc):
+    with serve_process(["--model", "dummy:tiny", "--drain-timeout", "60"]) as server:
+        base, proc = server.base, server.proc
         lines: list[str] = []
         first = threading.Event()
 
@@ -371,8 +338,8 @@ def test_sigterm_finishes_the_stream_refuses_new_requests_and_exits_zero() -> No
 
 @pytest.fixture(scope="module")
 def smol() -> Iterator[str]:
-    with serve_process(["--model", "default"], ready_timeout_s=240) as (base, _):
-        yield base
+    with serve_process(["--model", "default"], ready_timeout_s=240) as server:
+        yield server.base
 
 
 def test_default_model_answers_correctly(smol: str) -> None:
@@ -392,3 +359,35 @@ def test_default_model_answers_correctly(smol: str) -> None:
     text, chunks = _stream_text(stream, chat=False)
     assert text.startswith(" 5, 6, 7,") and "8" not in text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def readme_request() -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of the README's curl example, exactly as a new user would paste it."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"curl -s 127\.0\.0\.1:8000(\S+).*?-d '(\{.*?\})'", text, re.DOTALL)
+    assert match, "README.md has no curl example"
+    return match.group(1), json.loads(match.group(2))
+
+
+def test_readme_request_answers_with_bounded_tokens(smol: str) -> None:
+    path, body = readme_request()
+    assert body.get("max_tokens"), "the README example must bound its answer"
+    r = httpx.post(f"{smol}{path}", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert 0 < usage["completion_tokens"] <= body["max_tokens"]
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+
+
+def test_request_without_max_tokens_stops_at_the_server_cap() -> None:
+    with serve_process(["--model", "dummy:tiny", "--max-tokens-default", "7"]) as server:
+        c = client(server.base)
+        (card,) = httpx.get(f"{server.base}/v1/models").json()["data"]
+        assert card["max_tokens_default"] == 7
+        chat = c.chat.completions.create(
+            model=TINY, messages=[{"role": "user", "content": "Talk"}], extra_body={"ignore_eos": True}
+        )
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage is not None and chat.usage.completion_tokens == 7
+        text = c.completions.create(model=TINY, prompt="Talk", extra_body={"ignore_eos": True})
+        assert text.usage is not None and text.usage.completion_tokens == 7  # under OpenAI's 16

@@ -1,22 +1,26 @@
 """AsyncEngine: the LLMEngine's step loop on a background thread, streaming outputs to asyncio callers.
 
 Adds and aborts are thread-safe (they go through an inbox the loop drains between steps); a caller
-that stops iterating, or is cancelled, aborts its request so no block stays held.
+that stops iterating, or is cancelled, aborts its request so no block stays held. It validates
+nothing itself: LLMEngine.add_request is the border, and its errors reach the caller on the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tailserve.config import EngineConfig
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import RequestOutput, SamplingParams
-from tailserve.engine.stats import EngineStats
+from tailserve.engine.stats import EngineStats, QueueSnapshot
 from tailserve.errors import TailserveError
 from tailserve.model.loader import LoadedModel
 
@@ -29,7 +33,9 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
     arrival: float
+    seq: int
 
 
 @dataclass
@@ -58,6 +64,10 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
         self._queue = self.engine.queue_snapshot()
+        # Requests handed to generate() but not yet in a published snapshot: (prompt tokens, TTFT deadline).
+        self._unseen: dict[int, tuple[int, float]] = {}
+        self._applied: list[int] = []  # engine thread only: adds applied since the last publish
+        self._add_seq = itertools.count()
         self._lock = threading.Lock()
 
     async def start(self) -> None:
@@ -74,41 +84,44 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise a typed error if the request can never be served; changes nothing."""
-        self.engine.check_request(prompt_token_ids, params)
-
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per step that advanced the request, the last with finished=True."""
-        import time
-
-        self.check_request(prompt_token_ids, params)
+        """Queue the request now (wait estimates count it from this call) and return its outputs:
+        a RequestOutput per step that advanced it, the last with finished=True. A request the engine
+        refuses raises its typed error on the first iteration. Iterate it, or abort the id."""
+        loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        now = arrival or time.monotonic()
+        item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, next(self._add_seq))
+        deadline = now + self.config.scheduler.slo_ttft_s
         with self._lock:
-            if request_id in self._streams:
-                from tailserve.errors import InvalidRequestError
+            # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
+            self._streams.setdefault(request_id, (loop, stream))
+            self._unseen[item.seq] = (len(item.prompt_token_ids), deadline)
+        self._inbox.put(item)
+        return self._outputs(request_id, stream)
 
-                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, stream, arrival or time.monotonic()))
-        finished = False
+    async def _outputs(
+        self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        settled = False  # finished, or refused/failed by the engine: nothing left to abort
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
+                    settled = True
                     raise item
-                finished = item.finished
+                settled = item.finished
                 yield item
-                if finished:
+                if settled:
                     return
         finally:
-            if not finished:
+            if not settled:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -119,8 +132,14 @@ class AsyncEngine:
         return self._stats
 
     def estimate_wait_s(self, num_prompt_tokens: int) -> float:
-        """Predicted queue wait plus prefill for a new request, from the last step's snapshot."""
-        return self.engine.estimate_wait_s(num_prompt_tokens, self._queue)
+        """Predicted queue wait plus prefill for a new request: the last step's snapshot plus every
+        request handed to generate() since (a burst arrives faster than the engine thread sees it)."""
+        with self._lock:
+            snapshot = self._queue
+            unseen = list(self._unseen.values())
+        if unseen:
+            snapshot = dataclasses.replace(snapshot, pending=[*snapshot.pending, *unseen])
+        return self.engine.estimate_wait_s(num_prompt_tokens, snapshot)
 
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -162,10 +181,14 @@ class AsyncEngine:
             if out is not None:
                 self._deliver(out)
             return
+        self._applied.append(item.seq)
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.arrival)
         except Exception as exc:
-            self._deliver_error(item.request_id, exc)
+            with self._lock:  # drop the map entry only if it is this request's own stream
+                if self._streams.get(item.request_id, (None, None))[1] is item.stream:
+                    del self._streams[item.request_id]
+            item.loop.call_soon_threadsafe(item.stream.put_nowait, exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
@@ -184,8 +207,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, exc)
 
     def _fail_all(self, exc: Exception) -> None:
-        for rid in list(self.engine._requests):
-            self.engine.abort(rid)
+        self.engine.abort_all()
         with self._lock:
             ids = list(self._streams)
         for rid in ids:
@@ -194,5 +216,11 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         engine = self.engine
-        self._queue = engine.queue_snapshot()
-        self._stats = engine.stats()
+        snapshot: QueueSnapshot = engine.queue_snapshot()
+        stats = engine.stats()
+        with self._lock:
+            self._queue = snapshot
+            self._stats = stats
+            for seq in self._applied:
+                self._unseen.pop(seq, None)
+        self._applied.clear()

@@ -1,29 +1,46 @@
 """The router's HTTP front: the server's OpenAI-compatible endpoints, forwarded to replicas.
 
 `create_app(config)` builds everything (pool, policy, metrics, HTTP client, checks) per app;
-nothing lives at module level, so tests run several routers in one process.
+nothing lives at module level, so tests run several routers in one process. Clients meet the
+server's own gate (body limit, content type, API key, OpenAI JSON errors) before any body is read,
+and never see a replica's internal URL; /router/replicas is the operator's view.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tailserve.router.config import RouterConfig
 from tailserve.router.metrics import RouterMetrics
 from tailserve.router.monitor import ReplicaMonitor
 from tailserve.router.policies import Policy, make_policy
 from tailserve.router.pool import ReplicaPool
-from tailserve.router.proxy import Forwarder, error_response
+from tailserve.router.proxy import Forwarder
 from tailserve.router.request_info import route_request
+from tailserve.server.drain import Drain
+from tailserve.server.errors import HTTPError, ServiceUnavailableError, route_error, to_http
+from tailserve.server.json_body import parse_json
+from tailserve.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    CatchAllMiddleware,
+    JsonContentTypeMiddleware,
+    send_error,
+)
+from tailserve.server.sse import until_disconnect
+
+CLIENT_CLOSED_REQUEST = 499  # the client left first; never reaches it
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,6 +54,7 @@ class RouterState:
     pool: ReplicaPool
     policy: Policy
     forwarder: Forwarder | None = None  # set while the app runs (it needs the HTTP client)
+    drain: Drain = field(default_factory=Drain)
 
 
 def _state(request: Request) -> RouterState:
@@ -52,22 +70,22 @@ def _forwarder(request: Request) -> Forwarder:
 
 
 async def completions(request: Request) -> Response:
-    """POST /v1/completions and /v1/chat/completions: place, forward, relay."""
+    """POST /v1/completions and /v1/chat/completions: place, forward, relay.
+
+    A client that leaves before the answer starts cancels the forward, which closes the replica
+    connection, and the replica aborts the generation (streamed or not)."""
     body = await request.body()
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return error_response(400, "the request body is not valid JSON", "invalid_json")
-    if not isinstance(parsed, dict):
-        return error_response(400, "the request body must be a JSON object", "invalid_json")
+    parsed = parse_json(body)  # InvalidJSONError -> 400, as the server would answer
     route = route_request(parsed, request.headers)
     stream = parsed.get("stream") is True
-    return await _forwarder(request).post(request.url.path, body, request.headers, route, stream)
+    forward = _forwarder(request).post(request.url.path, body, request.headers, route, stream)
+    response = await until_disconnect(forward, request.receive, _state(request).drain.closing)
+    return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
 
 
 async def models(request: Request) -> Response:
-    """GET /v1/models, answered by a healthy replica."""
-    return await _forwarder(request).get("/v1/models", request.headers)
+    """GET /v1/models and /v1/models/{id}, answered by a healthy replica."""
+    return await _forwarder(request).get(request.url.path, request.headers)
 
 
 async def health(request: Request) -> Response:
@@ -94,6 +112,7 @@ async def replicas(request: Request) -> Response:
     loads = {c.url: c.load for c in state.pool.candidates(exclude=set())}
     rows = [
         {
+            "index": r.index,
             "url": r.url,
             "healthy": r.healthy,
             "in_flight": r.in_flight,
@@ -109,6 +128,37 @@ def _http_client(config: RouterConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+class DrainMiddleware:
+    """Counts /v1/ requests in flight for the drain, and answers 503 once draining has begun."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self._drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self._drain.draining:
+            await send_error(send, to_http(ServiceUnavailableError("draining")))
+            return
+        self._drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._drain.leave()
+
+
+def _json_error(error: HTTPError) -> Response:
+    return JSONResponse(error.body, status_code=error.status, headers=error.headers)
+
+
+async def _on_http_exception(_: Request, exc: Exception) -> Response:
+    """The router's own 404 and 405 (with Allow), as OpenAI JSON."""
+    assert isinstance(exc, HTTPException)
+    return _json_error(route_error(exc.status_code, str(exc.detail), exc.headers))
 
 
 def create_app(config: RouterConfig) -> Starlette:
@@ -127,7 +177,9 @@ def create_app(config: RouterConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with _http_client(config) as client:
             monitor = ReplicaMonitor(config, state.pool, client)
-            state.forwarder = Forwarder(config, state.pool, state.policy, client, metrics_)
+            state.forwarder = Forwarder(
+                config, state.pool, state.policy, client, metrics_, state.drain.closing
+            )
             await monitor.start()
             try:
                 yield
@@ -139,11 +191,25 @@ def create_app(config: RouterConfig) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/router/replicas", replicas, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # Outermost first: size, content type and key are checked before any body byte is read.
+    middleware = [
+        Middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes),
+        Middleware(JsonContentTypeMiddleware),
+        Middleware(ApiKeyMiddleware, api_key=config.api_key, prefixes=("/v1/", "/router/")),
+        Middleware(DrainMiddleware, drain=state.drain),
+        Middleware(CatchAllMiddleware),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=middleware,
+        exception_handlers={HTTPException: _on_http_exception},
+    )
     app.state.router = state
     return app

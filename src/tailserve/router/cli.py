@@ -6,8 +6,10 @@ Imports nothing heavy at module level; the app and uvicorn load inside the handl
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
+from tailserve.config import parse_bytes
 from tailserve.router.config import POLICIES, RouterConfig
 
 
@@ -30,6 +32,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("TAILSERVE_API_KEY"), help="Bearer token (env TAILSERVE_API_KEY)"
+    )
+    parser.add_argument("--max-body-bytes", default="4MiB", help="request body limit, e.g. 4MiB (413 beyond)")
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
     parser.set_defaults(func=run_route)
 
@@ -64,16 +73,28 @@ def config_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterCon
         max_attempts=getattr(args, "max_attempts", defaults.max_attempts),
         prefix_block_chars=getattr(args, "prefix_block_chars", defaults.prefix_block_chars),
         prefix_load_bound=getattr(args, "prefix_load_bound", defaults.prefix_load_bound),
+        api_key=getattr(args, "api_key", None) or None,
+        max_body_bytes=parse_bytes(getattr(args, "max_body_bytes", None) or "4MiB"),
+        drain_timeout_s=float(getattr(args, "drain_timeout", defaults.drain_timeout_s)),
     )
 
 
-def serve_router(config: RouterConfig, log_level: str = "info") -> None:
-    """Run the router on config.host:config.port until SIGINT/SIGTERM."""
-    import uvicorn
-
+def serve_router(config: RouterConfig, log_level: str = "info") -> int:
+    """Run the router on config.host:config.port until SIGINT/SIGTERM, draining as the server does;
+    0 after a clean drain, 1 if it could not start."""
     from tailserve.router.app import create_app
+    from tailserve.server.lifecycle import serve_until_drained
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level, access_log=False)
+    app = create_app(config)
+    return serve_until_drained(
+        app,
+        app.state.router.drain,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        drain_timeout_s=config.drain_timeout_s,
+        access_log=False,
+    )
 
 
 def run_route(args: argparse.Namespace) -> int:
@@ -85,5 +106,4 @@ def run_route(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tailserve route: {exc}")
         return 2
-    serve_router(config, args.log_level)
-    return 0
+    return serve_router(config, args.log_level)

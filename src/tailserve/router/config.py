@@ -49,6 +49,10 @@ class RouterConfig:
     prefix_load_bound: float = 4.0  # max load above the least loaded replica that affinity may cost
     prefix_map_blocks: int = 200_000  # LRU bound of the prefix-block -> replica map
     load_weights: LoadWeights = field(default_factory=LoadWeights)
+    # The client-facing gate, checked before a body is read (as the server does).
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", tuple(url.rstrip("/") for url in self.replicas))
@@ -75,3 +79,6 @@ class RouterConfig:
         _require(self.prefix_block_chars >= 1, "--prefix-block-chars must be at least 1")
         _require(self.prefix_load_bound >= 0, "--prefix-load-bound must be >= 0")
         _require(self.prefix_map_blocks >= 1, "the prefix map must hold at least one block")
+        _require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
+        _require(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
+        _require(self.drain_timeout_s >= 0, "--drain-timeout must not be negative")

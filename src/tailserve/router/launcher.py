@@ -20,6 +20,7 @@ from types import FrameType
 
 import httpx
 
+from tailserve.config import parse_bytes
 from tailserve.router.config import RouterConfig
 
 REPLICA_HOST = "127.0.0.1"
@@ -119,13 +120,19 @@ def child_env(index: int, gpus: Sequence[str], api_key: str | None = None) -> di
     return env
 
 
-def wait_ready(urls: Sequence[str], children: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    """Block until every replica answers /ready with 200; fail fast if one exits."""
+def wait_ready(
+    urls: Sequence[str],
+    children: Sequence[subprocess.Popen[bytes]],
+    timeout_s: float,
+    poll_s: float = 0.2,
+) -> None:
+    """Block until every URL answers /ready with 200; fail fast if one of `children` (the processes
+    behind `urls`, in order; may be empty) exits."""
     deadline = time.monotonic() + timeout_s
     pending = set(urls)
     with httpx.Client(timeout=2.0) as client:
         while pending:
-            for url, child in zip(urls, children, strict=True):
+            for url, child in zip(urls, children, strict=False):
                 if child.poll() is not None:
                     raise RuntimeError(
                         f"replica {url} exited with code {child.returncode} before it was ready"
@@ -139,7 +146,7 @@ def wait_ready(urls: Sequence[str], children: Sequence[subprocess.Popen[bytes]],
                     f"replicas not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}"
                 )
             if pending:
-                time.sleep(0.2)
+                time.sleep(poll_s)
 
 
 def terminate(children: Sequence[subprocess.Popen[bytes]], grace_s: float = 15.0) -> None:
@@ -194,10 +201,13 @@ def run_replicas(args: argparse.Namespace) -> int:
                 policy=getattr(args, "router_policy", None) or "prefix",
                 host=args.host,
                 port=int(args.port),
+                api_key=getattr(args, "api_key", None) or None,
+                max_body_bytes=parse_bytes(str(getattr(args, "max_body_bytes", None) or "4MiB")),
+                drain_timeout_s=float(getattr(args, "drain_timeout", 30.0) or 0.0),
             )
             print(f"tailserve: routing on http://{args.host}:{args.port} ({config.policy})", flush=True)
-            serve_router(config, getattr(args, "log_level", "info") or "info")
+            code = serve_router(config, getattr(args, "log_level", "info") or "info")
         finally:
             # The children drain in-flight requests on SIGTERM; give them that long.
             terminate(children, float(getattr(args, "drain_timeout", 10.0) or 10.0) + 5.0)
-    return 0
+    return code

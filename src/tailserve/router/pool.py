@@ -23,6 +23,7 @@ class Replica:
     """One upstream server as the router sees it."""
 
     url: str
+    index: int = 0  # position in the configured list: what clients see instead of the internal URL
     healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -37,7 +38,7 @@ class ReplicaPool:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self._config = config
         self._metrics = metrics
-        self.replicas = [Replica(url) for url in config.replicas]
+        self.replicas = [Replica(url, index) for index, url in enumerate(config.replicas)]
         self._by_url = {r.url: r for r in self.replicas}
         for replica in self.replicas:
             metrics.replica_healthy.labels(replica.url).set(0)

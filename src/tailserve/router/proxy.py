@@ -2,19 +2,21 @@
 
 A failure before any byte reached the client (refused connection, 5xx/429, garbage, a stream that
 broke before its first event) is retried on another replica. Once the first event is relayed the
-request is never replayed: a later failure ends the stream with an SSE error event and [DONE].
+request is never replayed: a later failure, or the drain deadline, ends the stream with an SSE
+error event and [DONE]. What a client sees never names a replica's URL (only its index).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import httpx
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from tailserve.router.config import RouterConfig
 from tailserve.router.metrics import RouterMetrics
@@ -28,6 +30,9 @@ from tailserve.router.sse import (
     is_done,
     sse_events,
 )
+from tailserve.server.sse import SSEResponse
+
+log = logging.getLogger("tailserve.router")
 
 REPLICA_HEADER = "x-tailserve-replica"
 # Hop-by-hop and framing headers are the router's own business on each side.
@@ -76,7 +81,9 @@ class Forwarder:
         policy: Policy,
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
+        closing: asyncio.Event | None = None,
     ) -> None:
+        self._closing = closing  # set at the drain deadline: relayed streams end with an error event
         self._config = config
         self._pool = pool
         self._policy = policy
@@ -123,7 +130,8 @@ class Forwarder:
         if failure is None:
             message = "no healthy replica: every replica failed its /ready checks"
             return error_response(503, message, "no_healthy_replica", retry_after_s=1)
-        message = f"every replica tried failed ({failure.message})"
+        log.warning("giving up on a request: %s", failure.message)  # the URLs stay in the log
+        message = f"every replica tried failed (last failure: {failure.status})"
         return error_response(503, message, "all_replicas_failed", retry_after_s=1)
 
     def _finish(self, replica: Replica, started_s: float, status: str) -> None:
@@ -155,7 +163,7 @@ class Forwarder:
             result = await self._read_start(replica, upstream, stream, started_s)
             if isinstance(result, Failure):
                 status = result.status
-            elif isinstance(result, StreamingResponse):
+            elif isinstance(result, SSEResponse):
                 handed_over = True
             return result
         except (httpx.TransportError, MalformedStream) as exc:
@@ -173,7 +181,7 @@ class Forwarder:
     ) -> Response | Failure:
         """Read as much as must be checked before the client may see anything."""
         code = upstream.status_code
-        headers = forwardable(upstream.headers) | {REPLICA_HEADER: replica.url}
+        headers = forwardable(upstream.headers) | {REPLICA_HEADER: str(replica.index)}
         if code == 429 or code >= 500:
             content = await upstream.aread()
             if code == 503:
@@ -193,9 +201,9 @@ class Forwarder:
         if not check_event(first):
             self._pool.take_out(replica, "sent malformed SSE")
             return Failure("garbage", f"{replica.url} sent malformed SSE")
-        headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        headers.pop("content-type", None)
         relay = self._relay(replica, upstream, events, first, started_s)
-        return StreamingResponse(relay, status_code=200, headers=headers, media_type="text/event-stream")
+        return SSEResponse(relay, closing=self._closing, headers=headers)
 
     async def _relay(
         self,
@@ -204,7 +212,7 @@ class Forwarder:
         events: AsyncIterator[bytes],
         first: bytes,
         started_s: float,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Pass events through as they arrive; end cleanly if the replica breaks mid-stream."""
         status = "200"
         try:

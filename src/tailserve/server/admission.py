@@ -6,11 +6,8 @@ it never queues or touches engine state itself, it only counts tickets and reads
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 from tailserve.errors import RequestRejectedError
-from tailserve.server.config import ServerConfig
+from tailserve.server.drain import Drain
 from tailserve.server.engine_api import Engine
 from tailserve.server.errors import ServiceUnavailableError
 
@@ -41,15 +38,19 @@ class Ticket:
 class Admission:
     """Readiness, draining and the admission decision for one server (event-loop thread only)."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._config = config
         self.ready = False
-        self.draining = False
-        self.in_flight = 0
         self.not_started = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.drain = Drain()
+
+    @property
+    def draining(self) -> bool:
+        return self.drain.draining
+
+    @property
+    def in_flight(self) -> int:
+        return self.drain.in_flight
 
     @property
     def serving(self) -> bool:
@@ -66,38 +67,29 @@ class Admission:
     def admit(self, num_prompt_tokens: int) -> Ticket:
         """A ticket, or RequestRejectedError (429) when the queue is full or the TTFT SLO would break."""
         self.check_available()
+        limits = self._engine.config.scheduler
+        # The estimate counts every request handed to engine.generate(), seen by a step or not.
         wait_s = self._engine.estimate_wait_s(num_prompt_tokens)
         # The engine counts its own queue; our count also covers requests handed over but not yet seen
         # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.
-        queued = max(self._engine.stats().num_waiting, self.not_started - self._config.max_num_seqs)
-        if queued >= self._config.max_waiting:
-            message = (
-                f"Server overloaded: {queued} requests are already waiting (limit {self._config.max_waiting})"
-            )
+        queued = max(self._engine.stats().num_waiting, self.not_started - limits.max_num_seqs)
+        if queued >= limits.max_waiting:
+            message = f"Server overloaded: {queued} requests are already waiting (limit {limits.max_waiting})"
             raise RequestRejectedError(message, retry_after_s=max(1.0, wait_s), reason="queue_full")
-        if wait_s > self._config.slo_ttft_s:
+        if wait_s > limits.slo_ttft_s:
             message = (
                 f"Server overloaded: predicted queue wait {wait_s:.2f}s exceeds the "
-                f"time-to-first-token target of {self._config.slo_ttft_s:.2f}s"
+                f"time-to-first-token target of {limits.slo_ttft_s:.2f}s"
             )
-            raise RequestRejectedError(message, retry_after_s=wait_s - self._config.slo_ttft_s, reason="slo")
-        self.in_flight += 1
+            raise RequestRejectedError(message, retry_after_s=wait_s - limits.slo_ttft_s, reason="slo")
+        self.drain.enter()
         self.not_started += 1
-        self._idle.clear()
         return Ticket(self)
 
     def release(self) -> None:
         """Called by Ticket.done()."""
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+        self.drain.leave()
 
     def begin_drain(self) -> None:
         """Stop admitting: every new request gets 503 from now on."""
-        self.draining = True
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True when every admitted request finished within timeout_s."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        return self.in_flight == 0
+        self.drain.begin()

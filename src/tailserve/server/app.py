@@ -33,7 +33,13 @@ from tailserve.server.errors import (
     to_http,
 )
 from tailserve.server.metrics import ServerMetrics
-from tailserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ErrorCountMiddleware
+from tailserve.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    CatchAllMiddleware,
+    ErrorCountMiddleware,
+    JsonContentTypeMiddleware,
+)
 from tailserve.server.serving import Serving
 
 log = logging.getLogger("tailserve.server")
@@ -53,14 +59,20 @@ class ServerState:
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """A ready-to-serve ASGI app around an engine that is constructed but not yet started."""
-    admission = Admission(engine, config)
+    admission = Admission(engine)
     metrics = ServerMetrics(engine.stats, lambda: admission.serving)
     state = ServerState(engine, config, admission, metrics, int(time.time()))
-    serving = Serving(engine, admission, metrics)
+    serving = Serving(engine, admission, metrics, config.max_tokens_default, config.generation)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        log.info(
+            "requests without max_tokens get at most %d tokens (--max-tokens-default); "
+            "the model's sampling defaults: %s",
+            config.max_tokens_default,
+            config.generation.describe(),
+        )
         warmup = asyncio.create_task(_warm_up(state))
         try:
             yield
@@ -83,13 +95,16 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     async def on_http_exception(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return _json_error(route_error(exc.status_code, str(exc.detail)))
+        return _json_error(route_error(exc.status_code, str(exc.detail), exc.headers))
 
     app.add_exception_handler(TailserveError, on_tailserve_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
-    app.add_exception_handler(Exception, on_tailserve_error)
-    # add_middleware wraps outward: the last added runs first.
+    # add_middleware wraps outward: the last added runs first. So: count every error status, refuse
+    # oversized bodies (413 before 401), then wrong content types, then a wrong key; any other
+    # exception becomes a 500 inside the counter.
+    app.add_middleware(CatchAllMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(JsonContentTypeMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ErrorCountMiddleware, errors=metrics.errors)
 
@@ -140,6 +155,7 @@ def _model_card(state: ServerState) -> dict[str, object]:
         "created": state.started_at,
         "owned_by": "tailserve",
         "max_model_len": state.engine.max_model_len,
+        "max_tokens_default": state.config.max_tokens_default,
     }
 
 

@@ -89,6 +89,12 @@ def register(subparsers: Any) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
     h.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    h.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=1024,
+        help="tokens generated for a request without max_tokens (shown in /v1/models)",
+    )
     h.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before /ready")
     h.add_argument("--replicas", type=int, default=1, help="run N engine replicas behind the router")
     p.set_defaults(func=serve)
@@ -131,9 +137,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_body_bytes=parse_bytes(args.max_body_bytes),
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
-        max_waiting=args.max_waiting,
-        max_num_seqs=args.max_num_seqs,
-        slo_ttft_s=args.slo_ttft,
+        max_tokens_default=args.max_tokens_default,
         warmup=not args.no_warmup,
     )
     return engine, server

@@ -5,16 +5,19 @@ A plain frozen value validated on construction; building one never opens a socke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tailserve.errors import ConfigError
+from tailserve.server.generation_defaults import GenerationDefaults
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Bind address, API key, body limit, drain timeout and the admission bounds the server enforces."""
+    """Bind address, API key, body limit, drain timeout and the default reply length.
+
+    Admission limits (queue bound, running slots, TTFT target) are the engine's: SchedulerConfig."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -22,9 +25,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     drain_timeout_s: float = 30.0
     log_level: str = "info"
-    max_waiting: int = 512  # requests queued but not yet started, beyond which we answer 429
-    max_num_seqs: int = 64  # the engine's running slots: bounds requests that may be prefilling at once
-    slo_ttft_s: float = 2.0  # reject with 429 when the predicted queue wait alone would break it
+    max_tokens_default: int = 1024  # a request without max_tokens generates at most this many tokens
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's own
     warmup: bool = True
 
     def __post_init__(self) -> None:
@@ -36,9 +38,7 @@ class ServerConfig:
             raise ConfigError(f"--drain-timeout must not be negative, got {self.drain_timeout_s}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.max_waiting < 1 or self.max_num_seqs < 1:
-            raise ConfigError("--max-waiting and --max-num-seqs must be at least 1")
-        if self.slo_ttft_s <= 0:
-            raise ConfigError(f"--slo-ttft must be positive, got {self.slo_ttft_s}")
+        if self.max_tokens_default < 1:
+            raise ConfigError(f"--max-tokens-default must be at least 1, got {self.max_tokens_default}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key must not be empty")

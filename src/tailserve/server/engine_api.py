@@ -1,7 +1,8 @@
 """The slice of the engine API the server relies on (docs/INTERFACES.md), as typing Protocols.
 
 Lets the server be type-checked and unit-tested without importing torch; it must never grow beyond
-what the contract documents.
+what the contract documents. Stats and limits are the engine's own types (engine/stats.py,
+config.py), which import no torch.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
+from tailserve.config import EngineConfig
 from tailserve.engine.request import RequestOutput, SamplingParams
+from tailserve.engine.stats import EngineStats
 
 
 class Tokenizer(Protocol):
@@ -20,31 +23,6 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
-
-
-class EngineStats(Protocol):
-    """A snapshot of the engine's queues, KV pool and prefix cache."""
-
-    @property
-    def num_running(self) -> int: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def kv_blocks_total(self) -> int: ...
-
-    @property
-    def kv_blocks_used(self) -> int: ...
-
-    @property
-    def prefix_cache_queries(self) -> int: ...
-
-    @property
-    def prefix_cache_hits(self) -> int: ...
-
-    @property
-    def preemptions_total(self) -> int: ...
 
 
 class Engine(Protocol):
@@ -59,15 +37,18 @@ class Engine(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    @property
+    def config(self) -> EngineConfig: ...
+
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
-
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue the request at once (admission counts it from this call); errors arrive on iteration."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

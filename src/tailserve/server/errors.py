@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,14 @@ class BodyTooLargeError(TailserveError):
 
     def __init__(self, limit_bytes: int) -> None:
         super().__init__(f"Request body exceeds the limit of {limit_bytes} bytes")
+        self.message = str(self)
+
+
+class UnsupportedMediaTypeError(TailserveError):
+    """A POST body declared as anything but application/json (HTTP 415)."""
+
+    def __init__(self, content_type: str) -> None:
+        super().__init__(f"Content-Type {content_type!r} is not supported; send application/json")
         self.message = str(self)
 
 
@@ -89,6 +98,9 @@ def to_http(exc: BaseException) -> HTTPError:
         )
     if isinstance(exc, BodyTooLargeError):
         return HTTPError(413, error_body(exc.message, "invalid_request_error", None, "body_too_large"), {})
+    if isinstance(exc, UnsupportedMediaTypeError):
+        body = error_body(exc.message, "invalid_request_error", None, "unsupported_media_type")
+        return HTTPError(415, body, {})
     if isinstance(exc, AuthenticationError):
         return HTTPError(401, error_body(exc.message, "authentication_error", None, "invalid_api_key"), {})
     if isinstance(exc, RequestRejectedError):
@@ -102,7 +114,7 @@ def to_http(exc: BaseException) -> HTTPError:
     return HTTPError(500, error_body("Internal server error", "server_error", None, "internal_error"), {})
 
 
-def route_error(status: int, detail: str) -> HTTPError:
-    """Errors raised by routing itself (unknown path 404, wrong method 405)."""
+def route_error(status: int, detail: str, headers: Mapping[str, str] | None = None) -> HTTPError:
+    """Errors raised by routing itself (unknown path 404, wrong method 405 with its Allow header)."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-    return HTTPError(status, error_body(detail, "invalid_request_error", None, code), {})
+    return HTTPError(status, error_body(detail, "invalid_request_error", None, code), dict(headers or {}))

@@ -1,7 +1,8 @@
-"""Pure ASGI middleware: API-key check, request-body size limit, error-status counting.
+"""Pure ASGI middleware: body size limit, content type, API key, the catch-all 500, error counting.
 
 Pure ASGI (not BaseHTTPMiddleware) so client disconnects still reach the endpoints; none of them
-reads or buffers a body, and every error they send is built by server/errors.py.
+reads or buffers a body, and every error they send is built by server/errors.py. The router runs
+the same gate in front of its own forwarding.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import json
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tailserve.server.errors import AuthenticationError, BodyTooLargeError, HTTPError, to_http
+from tailserve.server.errors import (
+    AuthenticationError,
+    BodyTooLargeError,
+    HTTPError,
+    UnsupportedMediaTypeError,
+    to_http,
+)
 
 API_PREFIX = "/v1/"
 
@@ -34,19 +41,69 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """401 on /v1/ paths unless `Authorization: Bearer <key>` matches (constant-time compare)."""
+    """401 on /v1/ paths unless `Authorization: Bearer <key>` matches (scheme in any case, as RFC 7235
+    says; constant-time compare of the key)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, prefixes: tuple[str, ...] = (API_PREFIX,)) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._expected = api_key.encode() if api_key else None
+        self._prefixes = prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._expected is not None and scope["type"] == "http" and scope["path"].startswith(API_PREFIX):
-            given = _header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given, self._expected):
+        if (
+            self._expected is not None
+            and scope["type"] == "http"
+            and scope["path"].startswith(self._prefixes)
+        ):
+            scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._expected):
                 await send_error(send, to_http(AuthenticationError()))
                 return
         await self.app(scope, receive, send)
+
+
+class JsonContentTypeMiddleware:
+    """415 for a POST whose Content-Type is not application/json (no header at all still reads as JSON).
+
+    Also keeps a web page from posting a `text/plain` "simple request" to a loopback server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(API_PREFIX):
+            declared = _header(scope, b"content-type")
+            if declared is not None and declared.split(b";")[0].strip().lower() != b"application/json":
+                shown = declared.decode("latin-1")[:100]
+                await send_error(send, to_http(UnsupportedMediaTypeError(shown)))
+                return
+        await self.app(scope, receive, send)
+
+
+class CatchAllMiddleware:
+    """An unexpected exception becomes a 500 in OpenAI JSON (logged once by to_http), and is not
+    re-raised: the connection stays usable. After the response started, nothing more can be sent."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            error = to_http(exc)
+            if not started:
+                await send_error(send, error)
 
 
 class BodyLimitMiddleware:

@@ -6,7 +6,6 @@ silently ignores a parameter it does not implement and never touches engine stat
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -15,9 +14,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tailserve.engine.request import SamplingParams
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.engine_api import Tokenizer
-from tailserve.server.errors import InvalidJSONError, UnsupportedParameterError
+from tailserve.server.errors import UnsupportedParameterError
+from tailserve.server.generation_defaults import GenerationDefaults
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator seed can hold
+OPENAI_COMPLETION_MAX_TOKENS = 16  # /v1/completions' documented default
 
 
 class _Body(BaseModel):
@@ -94,21 +96,6 @@ class EngineInput:
     params: SamplingParams
     stream: bool
     include_usage: bool
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    """Raw body -> JSON object; invalid UTF-8, invalid JSON or a non-object -> InvalidJSONError."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidJSONError(f"Request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidJSONError(f"Request body is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    if not isinstance(data, dict):
-        raise InvalidJSONError("Request body must be a JSON object")
-    return data
 
 
 def validate_body(model: type[M], data: dict[str, Any]) -> M:
@@ -196,6 +183,11 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[in
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
+    if message.role == "user" and not message.content and not isinstance(message.content, str):
+        raise InvalidRequestError(
+            "A user message needs content: a string or a non-empty list of text parts",
+            f"messages[{index}].content",
+        )
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts: list[str] = []
@@ -209,26 +201,45 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def sampling_params(req: _CommonRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """OpenAI sampling fields -> SamplingParams; the error's param names the field the client sent."""
+def sampling_params(
+    req: _CommonRequest,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens_default: int,
+    defaults: GenerationDefaults | None = None,
+) -> SamplingParams:
+    """OpenAI sampling fields -> SamplingParams; the error's param names the field the client sent.
+
+    A field left out takes the model's generation default, then OpenAI's; a missing max_tokens is
+    capped at `max_tokens_default` (and at the context left), so no request runs unbounded."""
     _reject_unsupported(req)
+    model = defaults or GenerationDefaults()
     max_param, max_tokens = "max_tokens", req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_param, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is None:
-        max_tokens = 16 if isinstance(req, CompletionRequest) else max_model_len - prompt_len
+        openai_default = OPENAI_COMPLETION_MAX_TOKENS if isinstance(req, CompletionRequest) else max_model_len
+        max_tokens = min(openai_default, max_tokens_default, max_model_len - prompt_len)
         if max_tokens < 1:
             message = f"The prompt has {prompt_len} tokens; the context holds {max_model_len}"
             raise ContextLengthExceededError(
                 message, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             )
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise InvalidRequestError(
+            f"Invalid value for 'seed': must be in [-2**63, 2**64 - 1], got a {req.seed.bit_length()}-bit number",
+            "seed",
+        )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    temperature = req.temperature if req.temperature is not None else model.temperature
+    top_p = req.top_p if req.top_p is not None else model.top_p
+    top_k = req.top_k if req.top_k is not None else model.top_k
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k or 0,
             seed=req.seed,
             stop=stop,
             ignore_eos=req.ignore_eos,

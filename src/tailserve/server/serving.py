@@ -7,11 +7,10 @@ for a non-streamed request.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,6 +19,8 @@ from tailserve.engine.request import RequestOutput
 from tailserve.server.admission import Admission, Ticket
 from tailserve.server.engine_api import Engine
 from tailserve.server.errors import ModelNotFoundError, to_http
+from tailserve.server.generation_defaults import GenerationDefaults
+from tailserve.server.json_body import parse_json
 from tailserve.server.metrics import ServerMetrics
 from tailserve.server.protocol import (
     ChatCompletionRequest,
@@ -27,14 +28,12 @@ from tailserve.server.protocol import (
     EngineInput,
     chat_prompt_ids,
     completion_prompt_ids,
-    parse_json,
     sampling_params,
     validate_body,
 )
 from tailserve.server.responses import Job, Kind, final_chunks, full_response, role_chunk, text_chunk
-from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, wait_for_disconnect
+from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 
-T = TypeVar("T")
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never reaches a client
 
@@ -42,10 +41,19 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; 
 class Serving:
     """Turns /v1/completions and /v1/chat/completions requests into engine generations."""
 
-    def __init__(self, engine: Engine, admission: Admission, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        admission: Admission,
+        metrics: ServerMetrics,
+        max_tokens_default: int,
+        defaults: GenerationDefaults,
+    ) -> None:
         self._engine = engine
         self._admission = admission
         self._metrics = metrics
+        self._max_tokens_default = max_tokens_default
+        self._defaults = defaults
 
     async def handle(self, kind: Kind, request: Request) -> Response:
         """The whole request; typed errors propagate to the app's single error mapping."""
@@ -66,8 +74,10 @@ class Serving:
             req = validate_body(ChatCompletionRequest, data)
             self._check_model(req.model)
             ids = chat_prompt_ids(req, tokenizer)
-        params = sampling_params(req, len(ids), self._engine.max_model_len)
-        self._engine.check_request(ids, params)
+        # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
+        params = sampling_params(
+            req, len(ids), self._engine.max_model_len, self._max_tokens_default, self._defaults
+        )
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         job = Job(
@@ -86,15 +96,16 @@ class Serving:
         run.gen = self._engine.generate(job.request_id, inp.prompt_token_ids, inp.params)
         final: RequestOutput | None = None
         handed_over = False
+        closing = self._admission.drain.closing
         try:
-            first = await _until_disconnect(anext(run.gen), receive)
+            first = await until_disconnect(anext(run.gen), receive, closing)
             if first is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             ticket.started()
             if inp.stream:
                 handed_over = True  # from here the event stream owns the run and closes it
-                return SSEResponse(self._events(job, first, run), on_close=run.close)
-            final = await _until_disconnect(_last_output(first, run.gen), receive)
+                return SSEResponse(self._events(job, first, run), on_close=run.close, closing=closing)
+            final = await until_disconnect(_last_output(first, run.gen), receive, closing)
             if final is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return JSONResponse(full_response(job, final))
@@ -166,17 +177,3 @@ async def _last_output(first: RequestOutput, gen: AsyncIterator[RequestOutput]) 
     while not out.finished:
         out = await anext(gen)
     return out
-
-
-async def _until_disconnect(work: Awaitable[T], receive: Receive) -> T | None:
-    """The result of `work`, or None (work cancelled) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    return None if task.cancelled() else task.result()

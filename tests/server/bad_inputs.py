@@ -1,0 +1,147 @@
+"""The probe's catalogue of bad requests, one table for the server and the router in front of it.
+
+Each entry must get a 4xx OpenAI JSON error, change no engine state (no KV block held, no prompt
+run) and, when its body was read, leave the keep-alive connection answering the next request.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+TINY = "dummy-tiny"
+BODY_LIMIT = "256KiB"  # the servers under test run with --max-body-bytes 256KiB
+JSON = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One bad request and the error it must get."""
+
+    name: str
+    body: bytes | dict[str, Any]
+    status: int
+    param: str | None = None
+    path: str = "/v1/completions"
+    headers: dict[str, str] = field(default_factory=lambda: dict(JSON))
+    body_read: bool = True  # False: refused from the headers, so the connection cannot be reused
+
+    def content(self) -> bytes:
+        return self.body if isinstance(self.body, bytes) else json.dumps(self.body).encode()
+
+
+def _chat(content: Any) -> dict[str, Any]:
+    return {"model": TINY, "messages": [{"role": "user", "content": content}]}
+
+
+BAD_INPUTS: list[BadInput] = [
+    BadInput("truncated json", b'{"model": "dummy-tiny", "prompt": ', 400),
+    BadInput("invalid utf-8", b'{"model": "dummy-tiny", "prompt": "\xff\xfe"}', 400),
+    BadInput("json array", b"[1, 2, 3]", 400),
+    BadInput("nested 1000 deep", b'{"model": "dummy-tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400),
+    BadInput("5000-digit max_tokens", b'{"model": "dummy-tiny", "prompt": "a", "max_tokens": ' + b"7" * 5000 + b"}", 400),
+    BadInput("lone surrogate prompt", b'{"model": "dummy-tiny", "prompt": "a\\ud800b"}', 400),
+    BadInput("lone surrogate chat", json.dumps(_chat("x")).replace("x", "\\udc00").encode(), 400, path="/v1/chat/completions"),
+    BadInput("seed 2**64", {"model": TINY, "prompt": "a", "seed": 2**64}, 400, "seed"),
+    BadInput("seed below -2**63", {"model": TINY, "prompt": "a", "seed": -(2**63) - 1}, 400, "seed"),
+    BadInput("max_tokens as text", {"model": TINY, "prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    BadInput("prompt as number", {"model": TINY, "prompt": 12}, 400, "prompt"),
+    BadInput("no prompt", {"model": TINY}, 400, "prompt"),
+    BadInput("no model", {"prompt": "a"}, 400, "model"),
+    BadInput("max_tokens 0", {"model": TINY, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    BadInput("max_tokens past the context", {"model": TINY, "prompt": "a", "max_tokens": 10**6}, 400, "max_tokens"),
+    BadInput("prompt past the context", {"model": TINY, "prompt": "a" * 3000, "max_tokens": 1}, 400, "prompt"),
+    BadInput("token id past the vocabulary", {"model": TINY, "prompt": [10**9]}, 400, "prompt"),
+    BadInput("empty prompt", {"model": TINY, "prompt": ""}, 400, "prompt"),
+    BadInput("unknown model", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    BadInput("n 2", {"model": TINY, "prompt": "a", "n": 2}, 400, "n"),
+    BadInput("logprobs", {"model": TINY, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    BadInput("negative temperature", {"model": TINY, "prompt": "a", "temperature": -1}, 400, "temperature"),
+    BadInput("top_p past 1", {"model": TINY, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    BadInput("unknown field", {"model": TINY, "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
+    BadInput(
+        "stream_options without stream",
+        {"model": TINY, "prompt": "a", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    BadInput("text/plain body", {"model": TINY, "prompt": "a"}, 415, headers={"content-type": "text/plain"}),
+    BadInput("form body", b"model=x", 415, headers={"content-type": "application/x-www-form-urlencoded"}),
+    BadInput("body over the limit", {"model": TINY, "prompt": "a" * 300_000}, 413, body_read=False),
+    BadInput("no messages", {"model": TINY, "messages": []}, 400, "messages", "/v1/chat/completions"),
+    BadInput("messages as text", {"model": TINY, "messages": "hi"}, 400, "messages", "/v1/chat/completions"),
+    BadInput("user content null", _chat(None), 400, "messages[0].content", "/v1/chat/completions"),
+    BadInput("user content []", _chat([]), 400, "messages[0].content", "/v1/chat/completions"),
+    BadInput(
+        "tools",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+        "/v1/chat/completions",
+    ),
+    BadInput("no role", {"model": TINY, "messages": [{"content": "x"}]}, 400, "messages[0].role", "/v1/chat/completions"),
+    BadInput(
+        "negative max_completion_tokens",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
+        400,
+        "max_completion_tokens",
+        "/v1/chat/completions",
+    ),
+    BadInput("chat unknown model", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "/v1/chat/completions"),
+]  # fmt: skip
+
+GOOD = json.dumps({"model": TINY, "prompt": "fine", "max_tokens": 2}).encode()
+
+
+def kv_blocks_used(metrics_base: str) -> float:
+    text = httpx.get(f"{metrics_base}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tailserve_kv_blocks_used":
+                return float(sample.value)
+    raise KeyError("tailserve_kv_blocks_used")
+
+
+def wait_no_blocks(metrics_base: str, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (used := kv_blocks_used(metrics_base)) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return used
+
+
+def check_bad_inputs(base: str, metrics_base: str) -> None:
+    """Send every entry to `base` over one keep-alive connection; `metrics_base` is the engine's server."""
+    url = urlparse(base)
+    assert url.hostname is not None and url.port is not None
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        for entry in BAD_INPUTS:
+            conn.request("POST", entry.path, body=entry.content(), headers=entry.headers)
+            sock = conn.sock
+            response = conn.getresponse()
+            raw = response.read()
+            assert response.status == entry.status, (entry.name, response.status, raw[:300])
+            assert 400 <= response.status < 500
+            error = json.loads(raw)["error"]
+            assert set(error) == {"message", "type", "param", "code"}, (entry.name, raw[:300])
+            assert error["message"] and error["type"], entry.name
+            if entry.param is not None:
+                assert error["param"] == entry.param, (entry.name, raw[:300])
+            assert wait_no_blocks(metrics_base) == 0, entry.name
+            if not entry.body_read:
+                conn.close()
+                continue
+            conn.request("POST", "/v1/completions", body=GOOD, headers=JSON)
+            good = conn.getresponse()
+            assert good.status == 200, (entry.name, good.read()[:300])
+            good.read()
+            assert conn.sock is sock and sock is not None, f"{entry.name}: the connection was dropped"
+    finally:
+        conn.close()
