@@ -42,6 +42,13 @@ def http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
+def get_json(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """GET and decode a JSON answer (HTTP errors raise)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
     """POST a JSON body and return the decoded JSON answer (HTTP errors raise)."""
     request = urllib.request.Request(
