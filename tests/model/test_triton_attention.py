@@ -91,10 +91,8 @@ def _build(
         tables.append(table)
         slots.extend(table[p // page] * page + p % page for p in range(s.cached, total))
         if not _is_decode(s):
-            ctx = torch.arange(total)
-            ctx_slots = torch.tensor(table)[ctx // page] * page + ctx % page if s.cached else None
-            mask = ctx[None, :] <= torch.arange(s.cached, total)[:, None] if s.cached else None
-            spans.append(PrefillSpan(qsl[-1], s.new, total, _dev(ctx_slots), _dev(mask)))
+            prefix = torch.tensor(table[: -(-s.cached // page)], dtype=torch.long) if s.cached else None
+            spans.append(PrefillSpan(qsl[-1], s.new, s.cached, _dev(prefix)))
         qsl.append(qsl[-1] + s.new)
     max_blocks = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
@@ -109,7 +107,6 @@ def _build(
         decode_block_tables=padded[:d, :dec_blocks].to(DEVICE),
         decode_context_lens=dec_lens.to(DEVICE),
         decode_key_mask=(span[None, :] < dec_lens[:, None])[:, None, None, :].to(DEVICE),
-        decode_slots=(padded[:d, span // page] * page + span % page).to(DEVICE),
         prefills=spans,
         block_size=page,
         query_start_loc=torch.tensor(qsl, dtype=torch.long, device=DEVICE),

@@ -1,7 +1,9 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The portable backend is plain torch (CPU and CUDA): decodes batched over gathered blocks, prefill
-chunks one sequence at a time on top of their cached prefix. Backends never allocate KV memory.
+The portable backend is plain torch (CPU and CUDA). Context is gathered a whole block at a time;
+grouped-query heads are never repeated; no `[query, context]` mask is built for a prompt chunk: a
+chunk attends to its cached prefix (no mask) and to itself (causal) separately, and the two halves
+are merged exactly by their log-sum-exp. Backends never allocate KV memory.
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSpan:
-    """One sequence's chunk of new tokens in the flattened batch, after its cached context."""
+    """One sequence's chunk of new tokens in the flattened batch, after `start_pos` cached tokens."""
 
     q_start: int
     q_len: int
-    ctx_len: int  # cached + new tokens
-    ctx_slots: torch.Tensor | None  # flat cache slots of all ctx_len tokens; None when nothing was cached
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = may attend; None when causal from zero
+    start_pos: int  # tokens already in the cache before this chunk (0: the chunk starts the sequence)
+    block_table: torch.Tensor | None  # [blocks] of the cached prefix; None when start_pos == 0
 
 
 @dataclass
@@ -33,10 +34,11 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [D, max_blocks]
+    decode_block_tables: torch.Tensor  # [D, max_blocks] (padded with any valid block id)
     decode_context_lens: torch.Tensor  # [D]
-    decode_key_mask: torch.Tensor  # [D, 1, 1, L] bool, True where a key position is valid
-    decode_slots: torch.Tensor  # [D, L] flat cache slot of each context position (padded)
+    decode_key_mask: (
+        torch.Tensor | None
+    )  # [D, 1, 1, max_blocks * block_size] bool; None: lengths need no mask
     prefills: list[PrefillSpan]
     block_size: int
     # The same batch in the generic varlen form (for kernels that want it).
@@ -62,6 +64,15 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache rows of the given blocks, in table order: [..., blocks * block_size, kv_heads, dim].
+
+    One copy of whole blocks (contiguous runs of block_size rows), not a gather of single rows."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])
+    picked = blocks.index_select(0, block_table.flatten())
+    return picked.view(*block_table.shape[:-1], -1, *cache.shape[1:])
+
+
 class TorchPagedAttention:
     """Portable backend: torch ops only, exact in fp32."""
 
@@ -77,15 +88,19 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         d = meta.num_decodes
+        if not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+            out[rows] = self._prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, span, meta.block_size, scale
+            )
         return out
 
     @staticmethod
@@ -93,14 +108,21 @@ class TorchPagedAttention:
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         num_seqs, heads, dim = q.shape
-        kv_heads = k_cache.shape[1]
-        slots = meta.decode_slots  # [D, L]: every context slot of every decode, padded
-        # One gather per K and V for the whole batch: [D, kv_heads, L, dim]. Few, large ops keep CPU
-        # steps short (each op is a parallel region) and map to one fused kernel on GPU.
-        keys = k_cache.index_select(0, slots.flatten()).view(num_seqs, -1, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, slots.flatten()).view(num_seqs, -1, kv_heads, dim).transpose(1, 2)
+        bs = meta.block_size
+        # [D, L, kv_heads, dim] -> [D, kv_heads, L, dim]; one gather per K and V for the whole batch.
+        keys = gather_blocks(k_cache, meta.decode_block_tables, bs).transpose(1, 2)
+        values = gather_blocks(v_cache, meta.decode_block_tables, bs).transpose(1, 2)
+        mask = meta.decode_key_mask
+        if mask is None:  # every sequence has the same length: cut the padding of the last block instead
+            length = int(meta.decode_context_lens[0])
+            keys, values = keys[:, :, :length], values[:, :, :length]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2),
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )
         return out.view(num_seqs, heads, dim)
 
@@ -112,18 +134,49 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         span: PrefillSpan,
+        block_size: int,
         scale: float,
     ) -> torch.Tensor:
-        heads, kv_heads = q.shape[1], k.shape[1]
-        if span.ctx_slots is not None:
-            k = k_cache.index_select(0, span.ctx_slots)
-            v = v_cache.index_select(0, span.ctx_slots)
-        group = heads // kv_heads
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        kh = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-        vh = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-        if span.mask is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=span.mask, scale=scale)
-        return o.squeeze(0).transpose(0, 1)
+        kh = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, dim]
+        vh = v.transpose(0, 1).unsqueeze(0)
+        if span.block_table is None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            return o.squeeze(0).transpose(0, 1)
+        # The chunk over its cached prefix: every prefix key is visible to every query (no mask), and
+        # the chunk's own keys are causal (a square mask-free kernel call). Merge by log-sum-exp.
+        prefix = span.start_pos
+        pk = gather_blocks(k_cache, span.block_table, block_size)[:prefix].transpose(0, 1).unsqueeze(0)
+        pv = gather_blocks(v_cache, span.block_table, block_size)[:prefix].transpose(0, 1).unsqueeze(0)
+        o_prefix, lse_prefix = _attention_with_lse(qh, pk.to(q.dtype), pv.to(q.dtype), False, scale)
+        o_self, lse_self = _attention_with_lse(qh, kh, vh, True, scale)
+        top = torch.maximum(lse_prefix, lse_self)
+        w_prefix = (lse_prefix - top).exp().unsqueeze(-1)
+        w_self = (lse_self - top).exp().unsqueeze(-1)
+        o = (o_prefix.float() * w_prefix + o_self.float() * w_self) / (w_prefix + w_self)
+        return o.to(q.dtype).squeeze(0).transpose(0, 1)
+
+
+def _attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and its per-query log-sum-exp ([1, heads, n]), grouped-query heads shared.
+
+    On CPU the fused flash kernel returns both; elsewhere the scores are formed explicitly (CUDA
+    runs the Triton backend in practice, so this is the correctness path, not the fast one)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse
+    group = q.shape[1] // k.shape[1]
+    kf = k.repeat_interleave(group, dim=1).float()
+    vf = v.repeat_interleave(group, dim=1).float()
+    scores = q.float() @ kf.transpose(-1, -2) * scale
+    if causal:
+        n = q.shape[2]
+        scores = scores.masked_fill(
+            torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+        )
+    lse = torch.logsumexp(scores, dim=-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ vf, lse

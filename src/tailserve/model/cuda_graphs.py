@@ -61,11 +61,8 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=long, device=dev)
         width = self.max_blocks * page
         self.key_positions = torch.arange(width, dtype=long, device=dev)
-        self.key_blocks = self.key_positions // page
-        self.key_offsets = self.key_positions % page
         # What the portable backend reads; the Triton one walks the block tables instead.
         self.key_mask = torch.zeros((n, 1, 1, width), dtype=torch.bool, device=dev)
-        self.key_slots = torch.zeros((n, width), dtype=long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
@@ -187,19 +184,15 @@ class DecodeGraphRunner:
         self.block_tables[:b, :width].copy_(table)
 
     def _forward(self, b: int) -> torch.Tensor:
-        """The captured work: key mask and slots (for the portable backend), then the model over b rows."""
+        """The captured work: the key mask (for the portable backend), then the model over b rows."""
         page = self.runner.block_size
         torch.lt(self.key_positions[None, :], self.context_lens[:b, None], out=self.key_mask[:b, 0, 0])
-        slots = self.key_slots[:b]
-        torch.index_select(self.block_tables[:b], 1, self.key_blocks, out=slots)
-        slots.mul_(page).add_(self.key_offsets)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b],
             num_decodes=b,
             decode_block_tables=self.block_tables[:b],
             decode_context_lens=self.context_lens[:b],
             decode_key_mask=self.key_mask[:b],
-            decode_slots=slots,
             prefills=[],
             block_size=page,
             query_start_loc=self.query_start_loc[: b + 1],

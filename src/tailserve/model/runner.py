@@ -132,29 +132,27 @@ class ModelRunner:
             pos.extend(positions)
             table = c.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
-            ctx_len = c.start_pos + n
             if c.decode:
                 num_decodes += 1
             elif c.start_pos == 0:
-                prefills.append(PrefillSpan(q_start, n, ctx_len, None, None))
+                prefills.append(PrefillSpan(q_start, n, 0, None))
             else:
-                ctx = torch.arange(ctx_len)
-                ctx_slots = torch.tensor(table, dtype=torch.long)[ctx // bs] * bs + ctx % bs
-                q_abs = torch.arange(c.start_pos, ctx_len)
-                mask = ctx[None, :] <= q_abs[:, None]
-                prefills.append(PrefillSpan(q_start, n, ctx_len, ctx_slots.to(dev), mask.to(dev)))
+                prefix_blocks = torch.tensor(table[: -(-c.start_pos // bs)], dtype=torch.long, device=dev)
+                prefills.append(PrefillSpan(q_start, n, c.start_pos, prefix_blocks))
             if c.sample:
                 logits_rows.append(q_start + n - 1)
         tables = torch.tensor(
             [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.long
         )
-        seq_lens = torch.tensor([c.start_pos + len(c.token_ids) for c in chunks], dtype=torch.long)
+        lens = [c.start_pos + len(c.token_ids) for c in chunks]
+        seq_lens = torch.tensor(lens, dtype=torch.long)
         dec_lens = seq_lens[:num_decodes]
-        dec_blocks = (int(dec_lens.max()) + bs - 1) // bs if num_decodes else 0
+        dec_blocks = -(-max(lens[:num_decodes]) // bs) if num_decodes else 0
         dec_tables = tables[:num_decodes, :dec_blocks]
-        span = torch.arange(dec_blocks * bs)
-        key_mask = (span[None, :] < dec_lens[:, None])[:, None, None, :]
-        dec_slots = dec_tables[:, span // bs] * bs + span % bs
+        key_mask = None
+        if len(set(lens[:num_decodes])) > 1:  # unequal lengths: mask each row's padding
+            span = torch.arange(dec_blocks * bs)
+            key_mask = (span[None, :] < dec_lens[:, None])[:, None, None, :].to(dev)
         qsl = [0]
         for c in chunks:
             qsl.append(qsl[-1] + len(c.token_ids))
@@ -163,8 +161,7 @@ class ModelRunner:
             num_decodes=num_decodes,
             decode_block_tables=dec_tables.to(dev),
             decode_context_lens=dec_lens.to(dev),
-            decode_key_mask=key_mask.to(dev),
-            decode_slots=dec_slots.to(dev),
+            decode_key_mask=key_mask,
             prefills=prefills,
             block_size=bs,
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
