@@ -55,6 +55,7 @@ class FakeEngine:
     ) -> None:
         self.tokenizer = ByteTokenizer()
         self.config = EngineConfig(scheduler=scheduler or SchedulerConfig())
+        self.explode_on: str | None = None  # a prompt containing this raises an unexpected error
         self.gate = threading.Event()  # cleared: requests stay queued (a stalled engine) until set
         self.gate.set()
         self.model_name = model_name
@@ -128,6 +129,8 @@ class FakeEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Queued now (the wait estimate counts it at once); a refusal is raised on first iteration."""
+        if self.explode_on is not None and self.explode_on in self.tokenizer.decode(prompt_token_ids):
+            raise RuntimeError("scripted bug")  # an unexpected error inside the engine call
         try:
             self._check(prompt_token_ids, params)
         except InvalidRequestError as exc:

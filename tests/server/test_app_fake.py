@@ -7,12 +7,15 @@ slow warm-up, a disconnect while still queued); test_server.py covers the real e
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import logging
 import socket
 import time
 from urllib.parse import urlparse
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tailserve.config import SchedulerConfig
@@ -193,3 +196,98 @@ def test_unknown_routes_and_methods_get_openai_errors() -> None:
         assert r.status_code == 405 and "error" in r.json()
         assert httpx.get(f"{base}/v1/models/fake-model").json()["id"] == "fake-model"
         assert httpx.get(f"{base}/v1/models/nope").status_code == 404
+
+
+def test_burst_gets_429_exactly_where_the_predicted_wait_passes_the_target() -> None:
+    """FakeEngine predicts `requests queued ahead x step_s`. With the engine stalled, a burst of 12
+    must admit exactly the requests whose prediction is within the 2 s target: 0.5 s x k <= 2 for
+    k = 0..4 ahead, so 5 in and 7 refused, however the burst interleaves."""
+    engine = FakeEngine(step_s=0.5, max_running=8, scheduler=SchedulerConfig(slo_ttft_s=2.0))
+
+    async def burst(base: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [
+                asyncio.ensure_future(client.post(f"{base}/v1/completions", json={**GOOD, "max_tokens": 1}))
+                for _ in range(12)
+            ]
+            deadline = time.monotonic() + 60
+            while sum(t.done() for t in tasks) < 7 or len(engine.waiting) < 5:
+                assert time.monotonic() < deadline, (sum(t.done() for t in tasks), len(engine.waiting))
+                await asyncio.sleep(0.02)
+            engine.gate.set()  # the engine moves again: the admitted ones finish
+            return await asyncio.gather(*tasks)
+
+    with threaded_server(engine) as base:
+        engine.gate.clear()
+        responses = asyncio.run(burst(base))
+        codes = [r.status_code for r in responses]
+        assert codes.count(200) == 5 and codes.count(429) == 7, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "slo"
+                assert int(r.headers["retry-after"]) >= 1
+        assert metric(base, "tailserve_requests_rejected_total", {"reason": "slo"}) == 7
+
+
+def test_unexpected_error_is_a_counted_500_logged_once_and_the_connection_survives(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine()
+    with threaded_server(engine) as base:
+        engine.explode_on = "boom"
+        url = urlparse(base)
+        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+        with caplog.at_level(logging.ERROR):
+            for _ in range(3):
+                conn.request("POST", "/v1/completions", body=json.dumps({**GOOD, "prompt": "boom"}))
+                sock = conn.sock
+                r = conn.getresponse()
+                body = json.loads(r.read())
+                assert r.status == 500 and body["error"]["type"] == "server_error"
+                assert "scripted bug" not in json.dumps(body)  # no internals to the client
+                conn.request("POST", "/v1/completions", body=json.dumps(GOOD))
+                ok = conn.getresponse()
+                assert ok.status == 200
+                ok.read()
+                assert conn.sock is sock, "the keep-alive connection was dropped after the 500"
+        conn.close()
+        tracebacks = [
+            rec for rec in caplog.records if rec.exc_info and "scripted bug" in str(rec.exc_info[1])
+        ]
+        assert len(tracebacks) == 3  # once per error
+        assert metric(base, "tailserve_request_errors_total", {"status": "500"}) == 3
+
+
+def test_oversized_unauthenticated_body_is_413_and_bearer_is_case_insensitive() -> None:
+    with threaded_server(FakeEngine(), ServerConfig(api_key="k3y", max_body_bytes=2048)) as base:
+        big = json.dumps({**GOOD, "prompt": "x" * 5000})
+        r = httpx.post(f"{base}/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            r = httpx.post(f"{base}/v1/completions", json=GOOD, headers={"Authorization": f"{scheme} k3y"})
+            assert r.status_code == 200, scheme
+        assert (
+            httpx.post(
+                f"{base}/v1/completions", json=GOOD, headers={"Authorization": "bearer no"}
+            ).status_code
+            == 401
+        )
+
+
+def test_content_types_other_than_json_get_415() -> None:
+    engine = FakeEngine()
+    with threaded_server(engine) as base:
+        body = json.dumps(GOOD)
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
+            r = httpx.post(f"{base}/v1/completions", content=body, headers={"content-type": content_type})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert engine.generate_calls == 1  # only the warm-up ran
+        for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+            r = httpx.post(f"{base}/v1/completions", content=body, headers={"content-type": content_type})
+            assert r.status_code == 200, content_type
+        # No Content-Type at all is still read as JSON (curl -d without -H, many scripts).
+        url = urlparse(base)
+        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=body)
+        assert conn.getresponse().status == 200
+        conn.close()

@@ -7,6 +7,7 @@ handler, so `tailserve --help` stays instant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -163,6 +164,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from tailserve.engine import AsyncEngine
     from tailserve.server.app import create_app
+    from tailserve.server.generation_defaults import model_file, read_generation_defaults
     from tailserve.server.lifecycle import run_server
 
     try:
@@ -170,4 +172,6 @@ def serve(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"tailserve serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 1
+    generation = read_generation_defaults(model_file(args.model))
+    server_config = dataclasses.replace(server_config, generation=generation)
     return run_server(create_app(engine, server_config), server_config)

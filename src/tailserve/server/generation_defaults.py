@@ -38,6 +38,17 @@ class GenerationDefaults:
         return " ".join(parts) or "none"
 
 
+def model_file(spec: str) -> Path | None:
+    """The file or directory a --model spec names (None for dummy weights)."""
+    if spec.startswith("dummy:"):
+        return None
+    if spec == "default":
+        from tailserve.model.loader import default_model_path  # serve has loaded torch by now
+
+        return default_model_path()
+    return Path(spec).expanduser()
+
+
 def read_generation_defaults(model_path: Path | None) -> GenerationDefaults:
     """Defaults from an HF model directory or a .gguf file; empty for anything else or on a bad file."""
     if model_path is None:
