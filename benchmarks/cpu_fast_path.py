@@ -212,7 +212,7 @@ def targets(by_key: dict[str, ServerResult]) -> list[Target]:
         Target(
             "TPOT at 4k context", figure(ours, "context_4k", "tpot_mean_s"), tpot1, "tailserve at 64 tokens", 1.5, True
         ),
-        Target("cold start s", cold_start(ours), None, "process start -> first answer", 5.0, True, absolute=True),
+        Target("cold start s (process start -> first answer)", cold_start(ours), None, "", 5.0, True, absolute=True),
     ]  # fmt: skip
 
 
@@ -251,9 +251,10 @@ def markdown(doc: dict[str, Any]) -> str:
     lines.append("| --- | ---: | ---: | ---: | ---: | --- |")
     for t in targets(by_key):
         scale, digits = (1000.0, 1) if "TPOT" in t.name else (1.0, 2 if t.absolute else 1)
-        ratio = f"{fmt(t.ratio, digits=2)} s" if t.absolute else f"{fmt(t.ratio, digits=2)}x"
+        ratio = fmt(t.ratio, digits=2) + ("" if t.ratio is None else " s" if t.absolute else "x")
+        name = t.name if t.absolute else f"{t.name} vs {t.reference_label}"
         lines.append(
-            f"| {t.name} vs {t.reference_label} | {fmt(t.ours, scale, digits)} | {fmt(t.reference, scale, digits)} "
+            f"| {name} | {fmt(t.ours, scale, digits)} | {fmt(t.reference, scale, digits)} "
             f"| {ratio} | {'<=' if t.at_most else '>='} {t.bound:g} | **{t.verdict}** |"
         )
     lines += ["", "Servers:"]
@@ -289,7 +290,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a few requests per figure (development)")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
     parser.add_argument("--threads", type=int, default=1, help="engine threads of every server")
-    parser.add_argument("--step-tokens", type=int, default=2048, help="tokens per forward step, every server")
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=512,
+        help="tokens per forward step, every server (llama.cpp's n_ubatch default)",
+    )
     parser.add_argument("--cold-starts", type=int, default=3, help="tailserve starts timed (median shown)")
     parser.add_argument(
         "--start-timeout", type=float, default=900.0, help="seconds a server may take to start"

@@ -10,7 +10,7 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,16 @@ def flags(data: dict[str, Any]) -> str:
     return "; ".join(marks)
 
 
+def measured(
+    outcomes: list[ServerOutcome], kind: str, rate: float | None = None
+) -> Iterator[tuple[ServerOutcome, dict[str, Any]]]:
+    """Each outcome that has a result of `kind` (at `rate`), with that result."""
+    for outcome in outcomes:
+        data = run_of(outcome, kind, rate)
+        if data is not None:
+            yield outcome, data
+
+
 def headline_table(outcomes: list[ServerOutcome], reference_rate: float | None) -> list[str]:
     """Per server at the reference rate: the tails, throughput, goodput and capacity, with ratios."""
     by_key = {o.key: o for o in outcomes}
@@ -117,10 +127,7 @@ def sweep_table(outcomes: list[ServerOutcome], rates: Sequence[float]) -> list[s
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for rate in rates:
-        for outcome in outcomes:
-            data = run_of(outcome, "rate", rate)
-            if data is None:
-                continue
+        for outcome, data in measured(outcomes, "rate", rate):
             lines.append(
                 f"| {rate:g} | {outcome.label} | {fmt(metric(data, 'ttft_s', 'p99'))} "
                 f"| {fmt(metric(data, 'ttft_s', 'p99_over_mean'))} | {fmt(metric(data, 'tpot_s', 'p99'), 1000, 0)} "
@@ -138,10 +145,7 @@ def calibration_table(outcomes: list[ServerOutcome]) -> list[str]:
         "| server | TTFT of a 1600-token prompt, s | prefill tok/s | TPOT of one stream, ms | decode tok/s |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for outcome in outcomes:
-        data = run_of(outcome, "calibration")
-        if data is None:
-            continue
+    for outcome, data in measured(outcomes, "calibration"):
         ttft, tpot = metric(data, "ttft_s", "mean"), metric(data, "tpot_s", "mean")
         lines.append(
             f"| {outcome.label} | {fmt(ttft)} | {fmt(1600 / ttft if ttft else None, digits=0)} "
@@ -155,9 +159,8 @@ def capacity_table(outcomes: list[ServerOutcome]) -> list[str]:
         "| server | capacity req/s | probes (rate: pass/FAIL) | search note |",
         "| --- | ---: | --- | --- |",
     ]
-    for outcome in outcomes:
-        data = run_of(outcome, "capacity")
-        if data is None or not data.get("capacity"):
+    for outcome, data in measured(outcomes, "capacity"):
+        if not data.get("capacity"):
             continue
         section = data["capacity"]
         probes = ", ".join(

@@ -107,36 +107,28 @@ main()
 def transformers_serve(port: int, limits: Limits, continuous_batching: bool) -> ServerSpec:
     """`transformers serve` of the HF copy, float32; it knows no `ignore_eos`, so an eos id that
     never occurs has the same effect."""
-    no_eos = {**GREEDY, "generation_config": json.dumps({"eos_token_id": -1})}
     command = [str(PEERS_PYTHON), "-c", HF_LAUNCH, "serve", str(HF_DIR), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
-    env = {**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if not continuous_batching:
-        return ServerSpec(
-            key="hf",
-            label="transformers serve",
-            command=command,
-            env=env,
-            ready_path="/health",
-            bench_args=["--no-ignore-eos"],
-            extra_body=no_eos,
-            notes="float32; one `model.generate()` at a time (no batching): requests queue in the server",
-        )
-    kv_tokens = limits.max_seqs * limits.ctx_per_seq
-    command += ["--continuous-batching", "--cb-max-batch-tokens", str(limits.step_tokens)]
-    command += ["--cb-num-blocks", str(kv_tokens // 256)]
-    return ServerSpec(
-        key="hf-cb",
-        label="transformers serve --continuous-batching",
-        command=command,
-        env=env,
-        ready_path="/health",
-        bench_args=["--no-ignore-eos"],
-        extra_body=no_eos,
-        notes=(
+    key, label = "hf", "transformers serve"
+    notes = "float32; one `model.generate()` at a time (no batching): requests queue in the server"
+    if continuous_batching:
+        kv_tokens = limits.max_seqs * limits.ctx_per_seq
+        command += ["--continuous-batching", "--cb-max-batch-tokens", str(limits.step_tokens)]
+        command += ["--cb-num-blocks", str(kv_tokens // 256)]
+        key, label = "hf-cb", "transformers serve --continuous-batching"
+        notes = (
             f"float32; paged KV of {kv_tokens} tokens (256-token pages), {limits.step_tokens} tokens a step; "
             "block sharing (its prefix cache) off through the launcher; no cap on concurrent sequences exposed"
-        ),
+        )
+    return ServerSpec(
+        key=key,
+        label=label,
+        command=command,
+        env={**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        ready_path="/health",
+        bench_args=["--no-ignore-eos"],
+        extra_body={**GREEDY, "generation_config": json.dumps({"eos_token_id": -1})},
+        notes=notes,
     )
 
 
