@@ -1,14 +1,16 @@
-"""Architecture shapes of the supported model families and the named presets for dummy weights.
+"""Architecture shapes of the supported model families, the tensors a model of them holds, and the
+named presets for dummy weights.
 
 Only the Llama family and Qwen2 are supported; anything else is rejected here, by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailserve.errors import UnsupportedModelError
+from tailserve.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -155,3 +157,45 @@ def preset(name: str) -> ArchConfig:
         return PRESETS[name]
     except KeyError:
         raise UnsupportedModelError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def hf_weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model under its Hugging Face name, with its shape."""
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
+        }
+        if arch.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+    return shapes
+
+
+def check_weights(arch: ArchConfig, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Every expected tensor present with the expected shape, or a clear error."""
+    for name, shape in hf_weight_shapes(arch).items():
+        got = shapes.get(name)
+        if got is None:
+            raise ModelLoadError(f"{where}: missing tensor {name}")
+        if tuple(got) != shape:
+            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(got)}, config says {shape}")

@@ -1,21 +1,24 @@
-"""GGUF files: parsed once with the `gguf` package, dequantized to the target dtype, renamed to HF names.
+"""GGUF files: parsed once from a memory map, renamed to HF names, dense copies in the target dtype.
 
-The tokenizer and chat template come from the file's own metadata; llama.cpp's Q/K row permutation
-(done at conversion for rotary embeddings) is undone so the weights match Hugging Face layout.
+The quantized blocks are kept too (rows in HF order), so int4 weights are built from the file's own
+codes, never re-quantized. The tokenizer and chat template come from the file's metadata; llama.cpp's
+Q/K row permutation (done at conversion for rotary embeddings) is undone so rows match HF layout.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tailserve.errors import ModelLoadError, UnsupportedModelError
-from tailserve.model.arch import ArchConfig
+from tailserve.model.arch import ArchConfig, check_weights
+from tailserve.model.gguf_file import GGUFTensor, read_gguf
 from tailserve.model.tokenizer import Tokenizer
+from tailserve.model.weight_formats import dequantize_tensor
 
 _GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
 _TOKEN_TYPE_CONTROL = 3
@@ -38,6 +41,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -45,37 +49,31 @@ _GLOBAL_NAMES = {
 }
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Parse the file once; return name, shapes, HF-named weights and the tokenizer."""
-    import gguf
+@dataclass
+class GGUFWeights:
+    """What a GGUF file holds, under HF names: dense tensors plus the raw blocks of quantized ones."""
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    meta = _metadata(reader)
+    name: str
+    arch: ArchConfig
+    dense: dict[str, torch.Tensor]
+    blocks: dict[str, GGUFTensor]  # quantized tensors only, rows in HF order
+    tokenizer: Tokenizer
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> GGUFWeights:
+    """Parse the file once; return name, shapes, HF-named weights (dense and blocks) and the tokenizer."""
+    gguf_file = read_gguf(path)
+    meta = gguf_file.metadata
     arch = _arch_from_metadata(meta, path)
-    weights = _weights(reader, arch, dtype)
-    if "lm_head.weight" not in weights and not arch.tie_word_embeddings:
+    blocks = _hf_blocks(gguf_file.tensors, arch)
+    if "lm_head.weight" not in blocks and not arch.tie_word_embeddings:
         arch = ArchConfig(**{**arch.__dict__, "tie_word_embeddings": True})
-    from tailserve.model.loader import _check_weights
-
-    _check_weights(arch, weights, str(path))
+    check_weights(arch, {k: t.shape for k, t in blocks.items()}, str(path))
+    dense = {k: dequantize_tensor(t, dtype) for k, t in blocks.items()}
+    quantized = {k: t for k, t in blocks.items() if t.type_name not in _FLOAT_TYPES}
     tokenizer = _tokenizer(meta, path, arch)
     name = path.name.removesuffix(".gguf").split(".")[0]
-    return name, arch, weights, tokenizer
-
-
-def _metadata(reader: Any) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an exotic field type we don't need
-            continue
-    return meta
+    return GGUFWeights(name, arch, dense, quantized, tokenizer)
 
 
 def _arch_from_metadata(meta: dict[str, Any], path: Path) -> ArchConfig:
@@ -118,12 +116,11 @@ def _arch_from_metadata(meta: dict[str, Any], path: Path) -> ArchConfig:
     )
 
 
-def _weights(reader: Any, arch: ArchConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    import gguf
-
-    weights: dict[str, torch.Tensor] = {}
+def _hf_blocks(tensors: dict[str, GGUFTensor], arch: ArchConfig) -> dict[str, GGUFTensor]:
+    """The model's tensors under HF names, with llama's Q/K rows back in HF order (raw bytes, no decode)."""
+    out: dict[str, GGUFTensor] = {}
     layer_re = re.compile(r"blk\.(\d+)\.(.+)")
-    for t in reader.tensors:
+    for t in tensors.values():
         m = layer_re.fullmatch(t.name)
         if m and m.group(2) in _LAYER_NAMES:
             hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
@@ -131,20 +128,12 @@ def _weights(reader: Any, arch: ArchConfig, dtype: torch.dtype) -> dict[str, tor
             hf_name = _GLOBAL_NAMES[t.name]
         else:
             continue  # e.g. rope_freqs: derived from the config instead
-        try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as exc:
-            raise UnsupportedModelError(
-                f"GGUF tensor {t.name}: quantization {t.tensor_type.name} unsupported"
-            ) from exc
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
-        array = np.asarray(array, dtype=np.float32).reshape(shape)
-        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         if arch.family == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = arch.num_heads if "q_proj" in hf_name else arch.num_kv_heads
-            tensor = _unpermute_rotary_rows(tensor, heads)
-        weights[hf_name] = tensor.to(dtype)
-    return weights
+            order = _unpermute_rotary_rows(torch.arange(t.data.shape[0]), heads).numpy()
+            t = GGUFTensor(t.name, t.type_id, t.type_name, t.shape, t.data[order])
+        out[hf_name] = t
+    return out
 
 
 def _unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

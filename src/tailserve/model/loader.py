@@ -1,6 +1,7 @@
 """Weight loading: Hugging Face directories (safetensors), GGUF files, and dummy weights from a preset.
 
-Every source yields the same thing: an ArchConfig, tensors under Hugging Face names, a Tokenizer.
+Every source yields the same thing: an ArchConfig, tensors under Hugging Face names, a Tokenizer, and
+for GGUF the quantized blocks as stored (the int4 format is built from them, see build.py).
 Loading never touches the KV pool; a failure raises ModelLoadError saying what to change.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from tailserve.errors import ModelLoadError, UnsupportedModelError
-from tailserve.model.arch import ArchConfig, preset
+from tailserve.model.arch import ArchConfig, check_weights, hf_weight_shapes, preset
+from tailserve.model.gguf_file import GGUFTensor
 from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -28,13 +30,18 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    """Weights (Hugging Face names, target dtype, on CPU) plus everything needed to serve them."""
+    """Weights (Hugging Face names, target dtype, on CPU) plus everything needed to serve them.
+
+    `blocks` holds a GGUF file's quantized tensors as stored (rows in HF order): the source of
+    exact int4 weights and of the LM head's float32 values. Empty for other sources.
+    """
 
     name: str
     arch: ArchConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     load_s: float
+    blocks: dict[str, GGUFTensor] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -57,6 +64,7 @@ def default_model_path() -> Path:
 def load_model(spec: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
     """Load `default`, `dummy:<preset>`, a .gguf file or a Hugging Face model directory."""
     start = time.perf_counter()
+    blocks: dict[str, GGUFTensor] = {}
     if spec.startswith("dummy:"):
         name, arch, weights, tok = _load_dummy(spec.removeprefix("dummy:"), dtype, seed)
     else:
@@ -68,14 +76,15 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
         if path.is_file() and path.suffix == ".gguf":
             from tailserve.model.gguf_loader import load_gguf
 
-            name, arch, weights, tok = load_gguf(path, dtype)
+            gguf = load_gguf(path, dtype)
+            name, arch, weights, tok, blocks = gguf.name, gguf.arch, gguf.dense, gguf.tokenizer, gguf.blocks
         elif path.is_dir():
             name, arch, weights, tok = _load_hf_dir(path, dtype)
         else:
             raise ModelLoadError(f"{str(path)!r} is neither a model directory nor a .gguf file")
     load_s = time.perf_counter() - start
     log.info("loaded %s (%s, %d layers) in %.2f s", name, arch.family, arch.num_layers, load_s)
-    return LoadedModel(name=name, arch=arch, weights=weights, tokenizer=tok, load_s=load_s)
+    return LoadedModel(name=name, arch=arch, weights=weights, tokenizer=tok, load_s=load_s, blocks=blocks)
 
 
 def _load_dummy(
@@ -101,38 +110,6 @@ def _load_dummy(
     )
 
 
-def hf_weight_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the model under its Hugging Face name, with its shape."""
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (arch.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.up_proj.weight": (arch.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, arch.intermediate_size),
-        }
-        if arch.qkv_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
-    return shapes
-
-
 def _load_hf_dir(
     path: Path, dtype: torch.dtype
 ) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
@@ -155,7 +132,7 @@ def _load_hf_dir(
             weights |= {k: v.to(dtype) for k, v in load_file(str(f)).items()}
     except Exception as exc:
         raise ModelLoadError(f"cannot read weights in {path}: {exc}") from exc
-    _check_weights(arch, weights, str(path))
+    check_weights(arch, {k: tuple(v.shape) for k, v in weights.items()}, str(path))
     tok = _load_hf_tokenizer(path, arch)
     return path.name, arch, weights, tok
 
@@ -171,16 +148,6 @@ def _load_hf_tokenizer(path: Path, arch: ArchConfig) -> Tokenizer:
     if hf.eos_token_id is not None:
         eos.add(int(hf.eos_token_id))
     return Tokenizer(hf, sorted(eos), path.name)
-
-
-def _check_weights(arch: ArchConfig, weights: dict[str, torch.Tensor], where: str) -> None:
-    """Every expected tensor present with the expected shape, or a clear error."""
-    for name, shape in hf_weight_shapes(arch).items():
-        t = weights.get(name)
-        if t is None:
-            raise ModelLoadError(f"{where}: missing tensor {name}")
-        if tuple(t.shape) != shape:
-            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(t.shape)}, config says {shape}")
 
 
 __all__ = ["LoadedModel", "load_model", "default_model_path", "hf_weight_shapes", "UnsupportedModelError"]

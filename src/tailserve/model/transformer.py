@@ -1,12 +1,15 @@
 """The decoder-only transformer (Llama family, Qwen2) over a flattened batch of new tokens.
 
-Weights are fused at load (q|k|v, gate|up) so a layer is five matmuls; the KV cache is passed in,
-never owned. Logits are computed only for the rows that will be sampled.
+Weights are fused at build (q|k|v, gate|up) so a layer is four linears, each holding its weight in
+the formats of `FormatPlan` (decode rows and prefill rows on their own kernels). The KV cache is
+passed in, never owned; logits are computed only for the rows that will be sampled.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,32 @@ from torch import nn
 from tailserve.errors import UnsupportedModelError
 from tailserve.model.arch import ArchConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
+from tailserve.model.linear import Linear, WeightSource, fuse
+from tailserve.model.weight_formats import (
+    Int4Groups,
+    PackedInt4,
+    PackedInt8,
+    int4_from_float,
+    int8_from_float,
+    pack_int4,
+    pack_int8,
+)
+
+HEAD_KERNELS = ("fp32", "bf16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class FormatPlan:
+    """Which kernel each part of the model runs: layer linears per phase, and the LM head on its own."""
+
+    decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
+    prefill: str  # layer linears on prefill rows: fp32 or bf16 (bf16 unless everything is fp32)
+    head: str  # the LM head, every sampled row: fp32, bf16, int8 (int4 offered, hurts quality)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """What flows between layers and reaches attention (q, k, v): fp32 only in the fp32 plan."""
+        return torch.float32 if self.prefill == "fp32" else torch.bfloat16
 
 
 def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
@@ -40,104 +69,162 @@ def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
     raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear and llama3 are)")
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        w: Mapping[str, torch.Tensor],
+        prefix: str,
+        plan: FormatPlan,
+        int4: Mapping[str, Int4Groups],
+    ) -> None:
         super().__init__()
         self.arch = arch
-        self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], arch.rms_norm_eps)
-        self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], arch.rms_norm_eps)
-        a = prefix + "self_attn."
-        self.qkv_weight = nn.Parameter(
-            torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-            requires_grad=False,
+        # Norm weights stay float32: the residual stream and its norms run in float32 whatever the
+        # format (cheaper on CPU than bf16 norms, and no rounding piles up across layers).
+        self.input_norm = nn.Parameter(w[prefix + "input_layernorm.weight"].float(), requires_grad=False)
+        self.post_norm = nn.Parameter(
+            w[prefix + "post_attention_layernorm.weight"].float(), requires_grad=False
         )
-        self.qkv_bias = (
-            nn.Parameter(
-                torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]),
-                requires_grad=False,
-            )
-            if arch.qkv_bias
-            else None
-        )
-        self.o_weight = nn.Parameter(w[a + "o_proj.weight"], requires_grad=False)
-        m = prefix + "mlp."
-        self.gate_up_weight = nn.Parameter(
-            torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]), requires_grad=False
-        )
-        self.down_weight = nn.Parameter(w[m + "down_proj.weight"], requires_grad=False)
+        self.activation_dtype = plan.activation_dtype
+        self.eps = arch.rms_norm_eps
+
+        def src(name: str) -> WeightSource:
+            return WeightSource(w[prefix + name], int4.get(prefix + name))
+
+        def linear(names: list[str], bias: list[str] | None = None) -> Linear:
+            b = torch.cat([w[prefix + n] for n in bias]) if bias else None
+            return Linear(fuse([src(n) for n in names]), b, plan.decode, plan.prefill)
+
+        a, m = "self_attn.", "mlp."
+        qkv = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        qkv_bias = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"] if arch.qkv_bias else None
+        self.qkv = linear(qkv, qkv_bias)
+        self.o = linear([a + "o_proj.weight"])
+        self.gate_up = linear([m + "gate_proj.weight", m + "up_proj.weight"])
+        self.down = linear([m + "down_proj.weight"])
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.qk_heads = arch.num_heads + arch.num_kv_heads
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.intermediate = arch.intermediate_size
         self.scale = arch.head_dim**-0.5
 
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        arch = self.arch
-        x = self.input_norm(h)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = _rotate(q.view(-1, arch.num_heads, arch.head_dim), cos, sin)
-        k = _rotate(k.view(-1, arch.num_kv_heads, arch.head_dim), cos, sin)
-        v = v.reshape(-1, arch.num_kv_heads, arch.head_dim)
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        h = h + F.linear(attn.reshape(-1, self.q_size), self.o_weight)
-        gate, up = F.linear(self.post_norm(h), self.gate_up_weight).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight)
+        d, dim = meta.num_decodes, self.arch.head_dim
+        qkv = self.qkv(self._norm(h, self.input_norm), d)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate together: one rotation over [T, heads + kv_heads, head_dim].
+        q, k = _rotate(qk.view(-1, self.qk_heads, dim), *rope).split([self.num_heads, self.num_kv_heads], 1)
+        attn = backend.forward(q, k, v.view(-1, self.num_kv_heads, dim), k_cache, v_cache, meta, self.scale)
+        h = h + self.o(attn.reshape(-1, self.q_size), d)
+        gate, up = self.gate_up(self._norm(h, self.post_norm), d).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up, d)
+
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the float32 residual stream, handed to the linears in the activation dtype."""
+        x = F.rms_norm(h, (h.shape[-1],), weight, self.eps)
+        return x if x.dtype == self.activation_dtype else x.to(self.activation_dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention (Hugging Face layout). cos/sin: [T, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding (Hugging Face layout) in three ops.
+
+    rotate_half(x) = (-x2, x1) equals the halves swapped times a sign, and the sign lives in
+    `sin_signed` = (-sin, sin) (precomputed once per step), so x * cos + swap(x) * sin_signed.
+    cos / sin_signed: [T, 1, head_dim].
+    """
+    t, n, dim = x.shape
+    swapped = x.view(t, n, 2, dim // 2).flip(2).view(t, n, dim)
+    return torch.addcmul(x * cos, swapped, sin_signed)
+
+
+class LMHead(nn.Module):
+    """The output projection on its own kernel (fp32, bf16, int8 or int4); returns float32 logits."""
+
+    def __init__(self, weight: torch.Tensor, kernel: str, int4: Int4Groups | None = None) -> None:
+        super().__init__()
+        if kernel not in HEAD_KERNELS:
+            raise ValueError(f"LM head kernel must be one of {HEAD_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self.weight: nn.Parameter | None = None
+        self.packed: PackedInt4 | PackedInt8 | None = None
+        if kernel in ("fp32", "bf16"):
+            dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
+            self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        elif kernel == "int8":
+            self.packed = pack_int8(int8_from_float(weight))
+        else:
+            self.packed = pack_int4(int4 if int4 is not None else int4_from_float(weight))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(h.to(self.weight.dtype), self.weight).float()
+        assert self.packed is not None
+        return self.packed.matmul(h.to(torch.bfloat16).contiguous()).float()
 
 
 class TransformerLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, built from Hugging Face-named weights."""
+    """Embedding, decoder layers, final norm and LM head, built from Hugging Face-named weights.
+
+    `plan` None keeps the weights' own dtype everywhere (fp32 weights: the exact reference path).
+    `int4` holds exact int4 groups by HF name (from the file's Q4 blocks); others are re-quantized.
+    `head_weight` overrides the LM head's source (e.g. float32 decoded straight from Q8_0 blocks).
+    """
 
     cos_table: torch.Tensor
     sin_table: torch.Tensor
 
-    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        weights: Mapping[str, torch.Tensor],
+        max_positions: int,
+        plan: FormatPlan | None = None,
+        int4: Mapping[str, Int4Groups] | None = None,
+        head_weight: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
-        self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        embed = weights["model.embed_tokens.weight"]
+        if plan is None:
+            kind = "fp32" if embed.dtype == torch.float32 else "bf16"
+            plan = FormatPlan(decode=kind, prefill=kind, head=kind)
+        self.plan = plan
+        dtype = plan.activation_dtype
+        groups = int4 or {}
+        self.embed = nn.Parameter(embed.to(dtype), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, weights, f"model.layers.{i}.") for i in range(arch.num_layers)
+            DecoderLayer(arch, weights, f"model.layers.{i}.", plan, groups) for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(weights["model.norm.weight"], arch.rms_norm_eps)
-        head = weights.get("lm_head.weight")
-        self.lm_head = (
-            self.embed
-            if head is None or arch.tie_word_embeddings
-            else nn.Parameter(head, requires_grad=False)
-        )
+        self.norm = nn.Parameter(weights["model.norm.weight"].float(), requires_grad=False)
+        self.eps = arch.rms_norm_eps
+        tied = arch.tie_word_embeddings or "lm_head.weight" not in weights
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        source = head_weight if head_weight is not None else weights[head_name]
+        if tied and head_weight is None and plan.head in ("fp32", "bf16") and _dtype(plan.head) == dtype:
+            self.lm_head = LMHead(self.embed, plan.head)  # same dtype: shares the embedding's storage
+        else:
+            self.lm_head = LMHead(source, plan.head, groups.get(head_name))
         inv_freq = rope_inv_freq(arch)
-        t = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.embed.dtype
-        self.register_buffer("cos_table", emb.cos().to(torch.float32).to(dtype), persistent=False)
-        self.register_buffer("sin_table", emb.sin().to(torch.float32).to(dtype), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        half_sin = freqs.sin()
+        self.register_buffer("cos_table", torch.cat((freqs.cos(), freqs.cos()), -1).float().to(dtype), False)
+        # (-sin, sin): the sign of rotate_half folded in, so a rotation is three ops (see _rotate).
+        self.register_buffer("sin_table", torch.cat((-half_sin, half_sin), -1).float().to(dtype), False)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of hidden states and of the q / k / v handed to attention."""
+        return self.plan.activation_dtype
 
     def forward(
         self,
@@ -149,9 +236,13 @@ class TransformerLM(nn.Module):
         logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
+        h = h if h.dtype == torch.float32 else h.float()  # the residual stream is float32
+        rope = (self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1))
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, k_cache, v_cache, meta, backend)
-        h = self.norm(h.index_select(0, logits_indices))
-        return F.linear(h, self.lm_head).float()
+            h = layer(h, rope, k_cache, v_cache, meta, backend)
+        h = F.rms_norm(h.index_select(0, logits_indices), (h.shape[-1],), self.norm, self.eps)
+        return self.lm_head(h)
+
+
+def _dtype(kernel: str) -> torch.dtype:
+    return torch.float32 if kernel == "fp32" else torch.bfloat16

@@ -1,0 +1,79 @@
+"""Weight format names (`--weight-format`) -> the kernel plan of each part, and the model built in it.
+
+`auto` resolves here and nowhere else: on CPU the fastest format measured to keep quality, on CUDA
+bf16 (the int kernels used here are CPU ones). Never loads weights; never touches the KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tailserve.errors import ConfigError
+from tailserve.model.loader import LoadedModel
+from tailserve.model.transformer import FormatPlan, TransformerLM
+from tailserve.model.weight_formats import Int4Groups, dequantize_tensor, int4_from_blocks
+
+log = logging.getLogger(__name__)
+
+AUTO_CPU_FORMAT = "int4"  # measured fastest at 1-4 rows; quality figures in docs/ENGINE.md
+PLANS = {
+    "fp32": FormatPlan(decode="fp32", prefill="fp32", head="fp32"),
+    "bf16": FormatPlan(decode="bf16", prefill="bf16", head="bf16"),
+    # Decode rows on the weight-only int kernels, prompt rows on bf16 GEMMs (faster from ~16 rows).
+    # The head stays 8-bit: re-quantizing it to 4 bits costs far more quality than it saves time.
+    "int4": FormatPlan(decode="int4", prefill="bf16", head="int8"),
+    "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
+}
+
+
+def resolve_format(weight_format: str, device: torch.device) -> str:
+    """`auto` -> a concrete format for the device; int formats on CUDA are refused."""
+    if weight_format == "auto":
+        return AUTO_CPU_FORMAT if device.type == "cpu" else "bf16"
+    if weight_format not in PLANS:
+        raise ConfigError(f"--weight-format must be one of auto, {', '.join(PLANS)}, got {weight_format!r}")
+    if device.type != "cpu" and weight_format in ("int4", "int8"):
+        raise ConfigError(f"--weight-format {weight_format} runs on CPU only; use bf16 on {device.type}")
+    return weight_format
+
+
+def plan_for(weight_format: str, device: torch.device, head: str | None = None) -> FormatPlan:
+    """The kernel plan of a format; `head` overrides the LM head's kernel (fp32, bf16, int8, int4)."""
+    plan = PLANS[resolve_format(weight_format, device)]
+    return plan if head is None else FormatPlan(plan.decode, plan.prefill, head)
+
+
+def activation_dtype(weight_format: str, device: torch.device) -> torch.dtype:
+    """The dtype to load dense weights in, of hidden states, and of the q / k / v attention receives."""
+    return plan_for(weight_format, device).activation_dtype
+
+
+def build_model(
+    loaded: LoadedModel,
+    weight_format: str,
+    device: torch.device,
+    max_positions: int,
+    head: str | None = None,
+) -> TransformerLM:
+    """The transformer in `weight_format` on `device`, from weights already loaded (any load dtype)."""
+    plan = plan_for(weight_format, device, head)
+    blocks = loaded.blocks
+    int4: dict[str, Int4Groups] = {}
+    if plan.decode == "int4" or plan.head == "int4":
+        for name, t in blocks.items():
+            groups = int4_from_blocks(t)
+            if groups is not None:
+                int4[name] = groups
+    head_name = "lm_head.weight" if "lm_head.weight" in loaded.weights else "model.embed_tokens.weight"
+    head_weight = None
+    if plan.head != "bf16" and head_name in blocks and loaded.weights[head_name].dtype != torch.float32:
+        # fp32 and 8/4-bit heads start from the file's exact values, not a bf16 copy of them.
+        head_weight = dequantize_tensor(blocks[head_name])
+    weights = loaded.weights
+    if plan.activation_dtype == torch.float32 and any(w.dtype != torch.float32 for w in weights.values()):
+        log.warning("fp32 format over weights loaded in a lower precision: upcast, not re-read")
+        weights = {k: w.float() for k, w in weights.items()}
+    model = TransformerLM(loaded.arch, weights, max_positions, plan, int4, head_weight)
+    return model.to(device)

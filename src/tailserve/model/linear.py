@@ -1,0 +1,92 @@
+"""A linear layer whose weight is held in the format each phase of a step runs.
+
+The flattened batch holds the step's decode rows first: they go through the decode kernel (int4 or
+int8 weight-only where that wins), the prefill rows after them through the prefill one (bf16), so a
+row's arithmetic depends on its phase, never on who shares the step. Never picks a format by batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tailserve.model.weight_formats import (
+    Int4Groups,
+    PackedInt4,
+    PackedInt8,
+    concat_int4,
+    int4_from_float,
+    int8_from_float,
+    pack_int4,
+    pack_int8,
+)
+
+KERNELS = ("fp32", "bf16", "int4", "int8")
+_DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class WeightSource:
+    """One weight as loaded: dense floats, plus its exact int4 groups when the file stores Q4 blocks."""
+
+    dense: torch.Tensor  # [N, K] float32 or bfloat16
+    int4: Int4Groups | None = None
+
+    def int4_groups(self) -> Int4Groups:
+        """The file's own groups when it has them, else a min/max re-quantization of the floats."""
+        return self.int4 if self.int4 is not None else int4_from_float(self.dense)
+
+
+def fuse(parts: list[WeightSource]) -> WeightSource:
+    """Stack weights along N (q|k|v, gate|up); exact int4 groups survive only if every part has them."""
+    exact = [p.int4 for p in parts]
+    groups = concat_int4([g for g in exact if g is not None]) if all(g is not None for g in exact) else None
+    return WeightSource(torch.cat([p.dense for p in parts]), groups)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with the decode rows (the first `num_decodes`) and the rest on their own kernels."""
+
+    def __init__(self, source: WeightSource, bias: torch.Tensor | None, decode: str, prefill: str) -> None:
+        super().__init__()
+        if decode not in KERNELS or prefill not in _DENSE_DTYPES or (prefill == "fp32") != (decode == "fp32"):
+            raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
+        self.decode_kernel, self.prefill_kernel = decode, prefill
+        self.out_features, self.in_features = source.dense.shape
+        self.activation_dtype = _DENSE_DTYPES[prefill]  # bf16 unless everything is fp32
+        # The dense copy serves prefill rows (and decode rows when decode is dense too).
+        self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
+        self.int4: PackedInt4 | None = pack_int4(source.int4_groups()) if decode == "int4" else None
+        self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
+        )
+
+    def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
+        """x [T, K] contiguous, in the activation dtype; rows [0, num_decodes) are decodes."""
+        if self.decode_kernel == self.prefill_kernel or num_decodes == 0:
+            return F.linear(x, self.weight, self.bias)
+        if num_decodes >= x.shape[0]:
+            return self._decode(x)
+        return torch.cat([self._decode(x[:num_decodes]), F.linear(x[num_decodes:], self.weight, self.bias)])
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.int4 if self.int4 is not None else self.int8
+        assert packed is not None
+        out = packed.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}->{self.out_features}, decode={self.decode_kernel}, prefill={self.prefill_kernel}"
+
+    def weight_bytes(self) -> int:
+        """Bytes of every stored form of the weight (for the load log)."""
+        kept: list[torch.Tensor] = [self.weight]
+        if self.int4 is not None:
+            kept += [self.int4.packed, self.int4.scale_zeros]
+        if self.int8 is not None:
+            kept += [self.int8.codes, self.int8.scale]
+        return sum(t.numel() * t.element_size() for t in kept)

@@ -1,0 +1,205 @@
+"""Weight formats and their conversions: GGUF blocks -> dense floats, int4 groups, int8 rows.
+
+GGUF Q4_0 / Q4_1 blocks map exactly onto torch's int4 weight-only kernel (group 32 along K, code
+q dequantized as `(q - 8) * scale + zero`), so they are never re-quantized; everything else that
+must become int4 or int8 is re-quantized from floats here, and only here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tailserve.errors import UnsupportedModelError
+from tailserve.model.gguf_file import GGUFTensor
+
+INT4_GROUP = 32  # the GGUF block length; also a group size torch's int4 kernel accepts
+_INT4_N_MULTIPLE = 16  # torch's int4 packing wants the output dimension in multiples of 16
+
+
+@dataclass
+class Int4Groups:
+    """4-bit codes with one affine pair per group of 32 inputs: w = (code - 8) * scale + zero."""
+
+    codes: np.ndarray  # uint8 [N, K], values 0..15
+    scale: np.ndarray  # float32 [N, K // 32]
+    zero: np.ndarray  # float32 [N, K // 32]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight these groups stand for, computed in float32 and rounded once to `dtype`."""
+        n, k = self.codes.shape
+        codes = torch.from_numpy(self.codes).view(n, k // INT4_GROUP, INT4_GROUP)
+        scale, zero = torch.from_numpy(self.scale)[..., None], torch.from_numpy(self.zero)[..., None]
+        out = torch.empty(n, k // INT4_GROUP, INT4_GROUP, dtype=dtype)
+        # Row tiles that stay in cache: one pass over memory instead of four full-size temporaries.
+        step = max(1, (1 << 16) // k)
+        for r in range(0, n, step):
+            q = codes[r : r + step].float().sub_(8.0)
+            out[r : r + step] = q.mul_(scale[r : r + step]).add_(zero[r : r + step])
+        return out.view(n, k)
+
+
+@dataclass
+class Int8Rows:
+    """Symmetric 8-bit codes with one scale per output row: w = code * scale."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale[:, None]
+
+
+def concat_int4(parts: list[Int4Groups]) -> Int4Groups:
+    """Stack along the output dimension (fused q|k|v, gate|up): codes and groups row for row."""
+    return Int4Groups(
+        codes=np.concatenate([p.codes for p in parts]),
+        scale=np.concatenate([p.scale for p in parts]),
+        zero=np.concatenate([p.zero for p in parts]),
+    )
+
+
+def concat_int8(parts: list[Int8Rows]) -> Int8Rows:
+    return Int8Rows(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+# --- GGUF blocks -------------------------------------------------------------------------------
+
+
+def _f16(data: np.ndarray, start: int) -> np.ndarray:
+    """The f16 field at byte `start` of every block, as float32 [rows, blocks]."""
+    return np.ascontiguousarray(data[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _blocks(t: GGUFTensor, block_bytes: int) -> np.ndarray:
+    rows = t.data.shape[0]
+    return t.data.reshape(rows, -1, block_bytes)  # [rows, blocks, bytes]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 packed bytes per block -> 32 codes: low nibbles are elements 0..15, high ones 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def int4_from_blocks(t: GGUFTensor) -> Int4Groups | None:
+    """Q4_0 / Q4_1 blocks as kernel groups, exactly; None for any other type (re-quantize instead)."""
+    if t.type_name not in ("Q4_0", "Q4_1"):
+        return None
+    rows = t.data.shape[0]
+    if t.type_name == "Q4_0":  # w = d * (q - 8)
+        b = _blocks(t, 18)
+        scale = _f16(b, 0)
+        zero = np.zeros_like(scale)
+        qs = b[..., 2:]
+    else:  # Q4_1: w = d * q + m = (q - 8) * d + (m + 8 d)
+        b = _blocks(t, 20)
+        scale = _f16(b, 0)
+        zero = _f16(b, 2) + 8.0 * scale
+        qs = b[..., 4:]
+    codes = _nibbles(qs).reshape(rows, -1)
+    return Int4Groups(codes=codes, scale=scale, zero=zero)
+
+
+def dequantize_tensor(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Any GGUF tensor in its row-major shape, computed in float32 and rounded once to `dtype`."""
+    rows = t.data.shape[0]
+    if t.type_name == "F32":
+        out = t.data.view(np.float32).copy()  # the map is read-only
+    elif t.type_name == "F16":
+        out = t.data.view(np.float16).astype(np.float32)
+    elif t.type_name == "BF16":
+        out = (t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif t.type_name == "Q8_0":
+        b = _blocks(t, 34)
+        out = (b[..., 2:].view(np.int8).astype(np.float32) * _f16(b, 0)[..., None]).reshape(rows, -1)
+    elif t.type_name in ("Q4_0", "Q4_1"):
+        groups = int4_from_blocks(t)
+        assert groups is not None
+        return groups.dequantize(dtype).view(t.shape)
+    else:
+        out = _dequantize_with_gguf(t)
+    return torch.from_numpy(np.asarray(out, dtype=np.float32).reshape(t.shape)).to(dtype)
+
+
+def _dequantize_with_gguf(t: GGUFTensor) -> np.ndarray:
+    import gguf
+
+    try:
+        return np.asarray(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type_id)))
+    except NotImplementedError as exc:
+        raise UnsupportedModelError(f"GGUF tensor {t.name}: quantization {t.type_name} unsupported") from exc
+
+
+# --- re-quantization from floats ---------------------------------------------------------------
+
+
+def int4_from_float(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Groups:
+    """Asymmetric min/max per group of `group` inputs (for HF weights and non-Q4 GGUF tensors)."""
+    n, k = w.shape
+    if k % group:
+        raise UnsupportedModelError(f"int4 needs the input dimension ({k}) to be a multiple of {group}")
+    g = w.detach().float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    # code q means lo + q * scale = (q - 8) * scale + (lo + 8 * scale)
+    zero = lo + 8.0 * scale
+    return Int4Groups(codes.reshape(n, k).numpy(), scale.numpy(), zero.numpy())
+
+
+def int8_from_float(w: torch.Tensor) -> Int8Rows:
+    """Symmetric per output row: the largest magnitude of each row maps to 127."""
+    w32 = w.detach().float()
+    scale = (w32.abs().amax(-1) / 127.0).clamp_min(1e-12)
+    codes = (w32 / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Rows(codes, scale)
+
+
+# --- what the kernels read ---------------------------------------------------------------------
+
+
+@dataclass
+class PackedInt4:
+    """torch's int4 weight-only layout: packed codes plus bf16 [K/32, N, 2] (scale, zero)."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    out_features: int  # N before padding to the packing's multiple of 16
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (bf16, contiguous) @ w.T -> [M, N] bf16."""
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
+        return out if out.shape[-1] == self.out_features else out[:, : self.out_features]
+
+
+def pack_int4(groups: Int4Groups) -> PackedInt4:
+    """Pad N to the packing's multiple, then let torch lay the codes out for its kernel (CPU)."""
+    n, _ = groups.codes.shape
+    pad = -n % _INT4_N_MULTIPLE
+    codes, scale, zero = groups.codes, groups.scale, groups.zero
+    if pad:
+        codes = np.pad(codes, ((0, pad), (0, 0)), constant_values=8)
+        scale = np.pad(scale, ((0, pad), (0, 0)))
+        zero = np.pad(zero, ((0, pad), (0, 0)))
+    # The packed layout depends on the CPU's vector width (torch picks it at run time), so the
+    # final interleave is torch's; we only hand it exact codes.
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)), 1)
+    sz = torch.from_numpy(np.stack([scale, zero], axis=-1)).transpose(0, 1).contiguous()
+    return PackedInt4(packed, sz.to(torch.bfloat16), n)
+
+
+@dataclass
+class PackedInt8:
+    """torch's int8 weight-only layout: int8 [N, K] and bf16 per-row scales."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+
+
+def pack_int8(rows: Int8Rows) -> PackedInt8:
+    return PackedInt8(rows.codes.contiguous(), rows.scale.to(torch.bfloat16))
