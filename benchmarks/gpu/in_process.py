@@ -72,8 +72,9 @@ def build_llm(
             enforce_eager=eager,
         ),
         cache=CacheConfig(kv_cache_memory_bytes=plan.kv_bytes, enable_prefix_caching=False),
+        # fcfs: prefill takes whatever the decodes leave of the budget (no SLO pacing to time here).
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=plan.max_num_seqs
+            max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=plan.max_num_seqs, policy="fcfs"
         ),
     )
     return LLM(config=config, loaded=loaded)
@@ -111,7 +112,8 @@ def decode_step_times(llm: LLM, batch: int, context: int, iters: int) -> list[fl
     step is synchronized). Distinct prompts, prefix caching off: every sequence's KV is its own."""
     engine = llm.engine
     warmup = 3
-    params = SamplingParams(max_tokens=warmup + iters + 2, ignore_eos=True, temperature=0.0)
+    # Nobody may finish while timed: the first requests decode while later ones still prefill.
+    params = SamplingParams(max_tokens=engine.max_model_len - context, ignore_eos=True, temperature=0.0)
     rng = random.Random(batch)
     top = min(engine.arch.vocab_size, 256)
     for i in range(batch):
@@ -136,7 +138,8 @@ def measure_decode(rec: dict[str, Any], llm: LLM, bw: float | None, plan: Plan) 
     weight_bytes = weight_bytes_read_per_step(runner.model)
     kv_per_token = llm.engine.kv_bytes_per_token
     ctx = plan.decode_context
-    blocks_per_seq = -(-(ctx + plan.decode_iters + 5) // runner.block_size)
+    prefill_steps = -(-max(plan.decode_batches) * ctx // plan.max_num_batched_tokens) + 1
+    blocks_per_seq = -(-(ctx + prefill_steps + plan.decode_iters + 5) // runner.block_size)  # an upper bound
     rec |= {
         "context_tokens": ctx,
         "weight_bytes_read_per_step": weight_bytes,
