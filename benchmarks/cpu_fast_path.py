@@ -24,15 +24,14 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from loadgen import run_bench, suffixed
+from machine import git_commit, machine_line
 from peers import envs, launch
 from peers.launch import Limits, ServerSpec
 from proc import ServerProcess, free_port, get_json, post_json
@@ -266,25 +265,6 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} x {cpu}"
-
-
-def git_commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=envs.ROOT, capture_output=True, text=True
-    )
-    return out.stdout.strip() or "?"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few requests per figure (development)")
@@ -335,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(),
+        "machine": machine_line(),
         "git_commit": git_commit(),
         "threads": args.threads,
         "limits": dataclasses.asdict(limits),

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import git_commit, machine_line
 from peers import envs
 from peers.launch import Limits
 from proc import free_port
@@ -156,8 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, Any] = {
         "command": shlex.join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "started_at": started.isoformat(timespec="seconds"),
-        "machine": report.machine_lines()[0],
-        "git_commit": report.git_commit(),
+        "machine": machine_line(),
+        "git_commit": git_commit(),
         "peer_versions": peer_versions,
         "out_dir": os.path.relpath(out_dir, envs.ROOT),
         "seed": args.seed,

@@ -5,15 +5,13 @@ summary (and the bench JSONs it points to), so a finished run can be re-rendered
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import platform
-import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import machine_line
 from peers.envs import HF_DIR, ROOT
 from peers.launch import HF_LAUNCH
 
@@ -237,17 +235,6 @@ def targets(outcomes: list[ServerOutcome], reference_rate: float | None) -> list
     return lines
 
 
-def machine_lines() -> list[str]:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return [f"{platform.node()}: {os.cpu_count()} x {cpu}, {mem_gib:.0f} GiB, {platform.platform()}"]
-
-
 def render(summary: dict[str, Any]) -> str:
     """The whole markdown document from the saved summary (re-rendered by --render)."""
     outcomes = [outcome_from_dict(o) for o in summary["outcomes"]]
@@ -260,7 +247,7 @@ def render(summary: dict[str, Any]) -> str:
         "",
         f"- command: `{summary['command']}`",
         f"- date: {summary['started_at']} to {summary['finished_at']} ({summary['wall_s'] / 60:.1f} min)",
-        f"- machine: {machine_lines()[0] if not summary.get('machine') else summary['machine']}",
+        f"- machine: {summary.get('machine') or machine_line()}",
         f"- tailserve commit {summary.get('git_commit', '?')}; peers: "
         + ", ".join(f"{k} {v}" for k, v in summary.get("peer_versions", {}).items()),
         f"- load average (1/5/15 min) at start {summary['load_start']}, at end {summary['load_end']}; "
@@ -385,8 +372,3 @@ def write_doc(path: Path, text: str) -> None:
     old = path.read_text() if path.exists() else ""
     kept = old[old.index(ANALYSIS_HEADING) :] if ANALYSIS_HEADING in old else ""
     path.write_text(text + ("\n" + kept if kept else ""))
-
-
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "?"

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from proc import thread_env
+
 from peers.envs import HF_DIR, PEERS_PYTHON, TAILSERVE, VLLM_PYTHON
 
 LLAMACPP_SERVER = Path(__file__).with_name("llamacpp_server.py")
@@ -38,10 +40,6 @@ class ServerSpec:
     bench_args: list[str]
     extra_body: dict[str, Any]
     notes: str
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def tailserve(
