@@ -110,6 +110,8 @@ class FakeServer:
             k = min(per_chunk, tokens - sent)
             sent += k
             text = "tok " * k
+            if b.get("empty_final") and sent == tokens:
+                text = ""  # like tailserve serve: the finish reason alone, the last text held back
             if b.get("malformed") and i == int(b.get("malformed_at", 0)):
                 await _send_chunk(
                     writer,

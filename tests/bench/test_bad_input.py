@@ -197,3 +197,51 @@ def test_ctrl_c_ends_cleanly_with_a_partial_report(tmp_path: Path, fake_server: 
     assert doc["status"] == "interrupted"
     assert any("partial" in w for w in doc["warnings"])
     assert rows and out.with_suffix(".html").exists()
+
+
+def _main(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str]:
+    code = main(["bench", "--no-progress", "--no-html", "--out", str(out), "--output-len", "fixed:3", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_short_n_run_counts_its_warm_up_in_requests(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_server: FakeServerProcess
+) -> None:
+    """The preset's 30 s warm-up once swallowed a whole -n run; with -n it is a tenth of the requests."""
+    fake_server.script([FAST])
+    out = tmp_path / "r"
+    code, text = _main(capsys, out, "--base-url", fake_server.url, "--rate", "50", "-n", "20")
+    assert code == 0, text
+    doc, rows = saved(out)
+    assert doc["counts"]["warmup"] == 2 and doc["counts"]["measured"] == 18
+    first_two = sorted(rows, key=lambda r: r["sent_s"])[:2]
+    assert all(r["phase"] == "warmup" for r in first_two)
+    code, text = _main(
+        capsys, tmp_path / "w", "--base-url", fake_server.url, "-n", "20", "--warmup-requests", "5"
+    )
+    assert code == 0 and saved(tmp_path / "w")[0]["counts"]["measured"] == 15
+
+
+def test_time_warm_up_with_n_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, text = _main(
+        capsys, tmp_path / "r", "--base-url", "http://127.0.0.1:9", "-n", "100", "--warmup", "30"
+    )
+    assert code == 2 and "--warmup-requests" in text
+    code, text = _main(
+        capsys, tmp_path / "r", "--base-url", "http://127.0.0.1:9", "-n", "5", "--warmup-requests", "5"
+    )
+    assert code == 2 and "none of the 5" in text
+
+
+def test_nothing_measured_exits_non_zero(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_server: FakeServerProcess
+) -> None:
+    fake_server.script([FAST])
+    out = tmp_path / "r"
+    code, text = _main(
+        capsys, out, "--base-url", fake_server.url, "--rate", "20", "--duration", "0.5", "--warmup", "5"
+    )
+    assert code == 1, text
+    assert "no request was measured" in text
+    assert saved(out)[0]["counts"]["measured"] == 0

@@ -86,7 +86,7 @@ def test_bench_run_against_live_server(live_server: str, tmp_path: Path) -> None
     out = tmp_path / "run"
     done = bench(
         "--base-url", live_server, "--tokenizer", "byte", "--input-len", "longtail:48,200,0.1",
-        "--output-len", "uniform:8,24", "--arrival", "poisson", "--rate", "10", "-n", "30", "--warmup", "0.5",
+        "--output-len", "uniform:8,24", "--arrival", "poisson", "--rate", "10", "-n", "30", "--warmup-requests", "5",
         "--shared-prefix-tokens", "16", "--shared-prefix-fraction", "0.5", "--out", str(out), "--no-progress",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

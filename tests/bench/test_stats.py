@@ -156,3 +156,20 @@ def test_attribution_of_the_slowest_percent() -> None:
     assert att.preempted_fraction == pytest.approx(1 / 3)
     assert att.baseline_queue_s < att.queue_s
     assert attribute_slowest([make_record(0, 0.0, 0.1, 0.01, 3)]) is None
+
+
+def test_client_health_verdict_uses_the_event_loop_lag() -> None:
+    """A loop that wakes 20 ms late inflates every chunk time by that much: the verdict must say so,
+    with how much of each percentile could be client delay."""
+    from tailserve.bench.load_loop import client_health
+
+    calm = client_health([], [0.0005] * 99 + [0.001], 0.2, None)
+    assert not calm.bottleneck and not calm.notes
+    assert calm.client_delay_s == {"p50": 0.0005, "p95": 0.0005, "p99": 0.0005}
+    busy = client_health([], [0.004] * 50 + [0.02] * 50, 0.3, None)
+    assert busy.bottleneck
+    assert busy.client_delay_s == {"p50": 0.004, "p95": 0.02, "p99": 0.02}
+    (reason,) = busy.reasons
+    assert "4.0 / 20.0 / 20.0 ms" in reason and "client delay" in reason
+    some = client_health([], [0.001] * 90 + [0.005] * 10, 0.3, None)
+    assert not some.bottleneck and some.notes  # a few milliseconds: a note, not a verdict

@@ -148,11 +148,12 @@ def settings_from_args(
         raise BenchConfigError("--requests must be >= 1")
     if duration is not None and duration <= 0:
         raise BenchConfigError("--duration must be > 0")
-    warmup = args.warmup if args.warmup is not None else (preset.warmup_s if preset else 0.0)
+    warmup, warmup_requests = _warmup(args, preset, requests)
     control = RunControl(
         num_requests=requests,
         duration_s=duration,
         warmup_s=warmup,
+        warmup_requests=warmup_requests,
         cooldown_s=args.cooldown,
         max_concurrency=args.max_concurrency,
         concurrency=arrival.concurrency,
@@ -172,6 +173,29 @@ def settings_from_args(
         label=args.label,
         seed=args.seed,
     )
+
+
+def _warmup(args: argparse.Namespace, preset: Preset | None, requests: int | None) -> tuple[float, int]:
+    """(warm-up seconds, warm-up requests). A run bounded by -n counts its warm-up in requests: a
+    time warm-up (the preset's 30 s) could swallow a short run and leave nothing measured."""
+    counted = getattr(args, "warmup_requests", None)
+    if counted is not None and counted < 0:
+        raise BenchConfigError("--warmup-requests must be >= 0")
+    if args.requests is not None:
+        if args.warmup:
+            raise BenchConfigError(
+                "with -n the warm-up is counted in requests: use --warmup-requests N "
+                "(--warmup SECONDS goes with --duration)"
+            )
+        if counted is None:
+            counted = 0 if args.warmup == 0 else (requests or 0) // 10
+        if requests is not None and counted >= requests:
+            raise BenchConfigError(
+                f"--warmup-requests {counted} leaves none of the {requests} requests measured"
+            )
+        return 0.0, counted
+    warmup = args.warmup if args.warmup is not None else (preset.warmup_s if preset else 0.0)
+    return warmup, counted or 0
 
 
 def _arrival_from_args(args: argparse.Namespace, preset: Preset | None) -> ArrivalSpec:
@@ -265,6 +289,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     save(result, records, args.out, "run", not args.no_html)
     if result["status"] == "aborted":
         print(f"tailserve bench: error: {result['abort_reason']}", file=sys.stderr)
+    elif not result["counts"]["measured"]:
+        print(
+            "tailserve bench: error: no request was measured (all in warm-up or cool-down)", file=sys.stderr
+        )
     code = exit_code(result)
     if code == 0 and args.fail_on_slo and not result["slo"]["all_pass"]:
         return EXIT_SLO_FAILED

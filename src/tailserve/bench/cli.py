@@ -91,7 +91,14 @@ def _arrival_args(g: argparse._ArgumentGroup) -> None:
 def _run_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("-n", "--requests", type=int, help="number of requests")
     g.add_argument("--duration", type=float, help="seconds of sending")
-    g.add_argument("--warmup", type=float, help="seconds at the start whose requests are excluded")
+    g.add_argument(
+        "--warmup", type=float, help="seconds at the start whose requests are excluded (not with -n)"
+    )
+    g.add_argument(
+        "--warmup-requests",
+        type=int,
+        help="first N requests excluded (default with -n: a tenth of them; else 0)",
+    )
     g.add_argument(
         "--cooldown", type=float, default=0.0, help="seconds at the end whose requests are excluded"
     )

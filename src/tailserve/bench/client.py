@@ -240,9 +240,11 @@ def _on_choice(choice: Any, state: _StreamState, at: float) -> None:
     finish = choice.get("finish_reason")
     if not isinstance(text, str):
         raise MalformedSSEError(f"token text is not a string: {snippet(repr(text))!r}")
-    # An empty-text chunk mid-stream still stands for a token (e.g. a byte held back by the
-    # detokenizer); role-only openers and empty closing chunks do not.
-    if text or (not role_only and finish is None):
+    # An empty-text chunk still stands for a token (e.g. a byte held back by the detokenizer),
+    # and so does the chunk that closes the choice: its time is the last token's, even with no text
+    # (tailserve sends the finish reason alone when the last token's text was held back). Role-only
+    # openers do not.
+    if text or not role_only:
         state.times.append(at)
         state.texts.append(text)
     if finish is not None:

@@ -36,6 +36,10 @@ MAX_RETRY_AFTER_S = 10.0
 # Sends late by this much on a tenth of requests is a client that cannot keep up; on only a few
 # it is a hiccup (a busy machine) worth a note but not a verdict.
 CLIENT_QUEUE_LIMIT_S = 0.05
+# The event loop waking this late (p99) delays every chunk it reads by as much: TTFT, ITL and E2E
+# then measure the client. A few milliseconds are worth a note; this much is a verdict.
+LOOP_LAG_LIMIT_S = 0.010
+LOOP_LAG_NOTE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class RunControl:
     num_requests: int | None = None
     duration_s: float | None = None
     warmup_s: float = 0.0
+    warmup_requests: int = 0  # the first N requests sent are warm-up too (how -n counts it)
     cooldown_s: float = 0.0
     max_concurrency: int | None = None
     concurrency: int = 1
@@ -67,6 +72,8 @@ class ClientHealth:
     bottleneck: bool
     reasons: list[str]
     notes: list[str] = field(default_factory=list)
+    # Loop lag at p50/p95/p99: how much of each measured latency percentile could be client delay.
+    client_delay_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,7 +157,7 @@ class Runner:
         status = "aborted" if state.abort_reason else "interrupted" if state.interrupted else "complete"
         outcome = RunOutcome(state.records, status, state.abort_reason, self._model, started_at, wall_s)
         outcome.send_end_s = self._send_end(state)
-        outcome.client = self._client_health(state, cpu_util)
+        outcome.client = client_health(state.records, state.loop_lags, cpu_util, self.target_rate_per_s)
         return outcome
 
     async def _send_all(self, http: httpx.AsyncClient, state: _RunState, run_start: float) -> None:
@@ -314,46 +321,53 @@ class Runner:
             return self.control.duration_s
         return max((r.sent_s for r in state.records), default=0.0)
 
-    def _client_health(self, state: _RunState, cpu_util: float) -> ClientHealth:
-        first_turns = [r for r in state.records if r.scheduled_s is not None and r.error_kind != "cancelled"]
-        scheduled_rate = _rate([r.scheduled_s or 0.0 for r in first_turns])
-        achieved_rate = _rate([r.sent_s for r in first_turns])
-        lags = sorted(state.loop_lags)
-        queues = sorted(r.client_queue_s for r in first_turns)
-        lag_p99 = nearest_rank(lags, 99.0) if lags else None
-        queue_p90 = nearest_rank(queues, 90.0) if queues else None
-        queue_p99 = nearest_rank(queues, 99.0) if queues else None
-        reasons, notes = [], []
-        if (
-            scheduled_rate
-            and achieved_rate is not None
-            and achieved_rate < (1 - RATE_SHORTFALL) * scheduled_rate
-        ):
-            reasons.append(
-                f"achieved {achieved_rate:.2f} req/s, more than {RATE_SHORTFALL:.0%} short of the "
-                f"scheduled {scheduled_rate:.2f} req/s"
-            )
-        if cpu_util >= CPU_SATURATED:
-            reasons.append(f"client CPU saturated ({cpu_util:.0%} of one core)")
-        if queue_p90 is not None and queue_p90 > CLIENT_QUEUE_LIMIT_S:
-            reasons.append(
-                f"requests waited on the client: p90 {queue_p90 * 1000:.0f} ms past their due time"
-            )
-        elif queue_p99 is not None and queue_p99 > CLIENT_QUEUE_LIMIT_S:
-            notes.append(
-                f"a few sends were late (client queueing p99 {queue_p99 * 1000:.0f} ms): a busy machine?"
-            )
-        return ClientHealth(
-            self.target_rate_per_s,
-            scheduled_rate,
-            achieved_rate,
-            cpu_util,
-            lag_p99,
-            queue_p99,
-            bool(reasons),
-            reasons,
-            notes,
+
+def client_health(
+    records: list[RequestRecord], loop_lags: list[float], cpu_util: float, target_rate_per_s: float | None
+) -> ClientHealth:
+    """Did the client keep up: send rate, CPU, client-side queueing and event-loop lag."""
+    first_turns = [r for r in records if r.scheduled_s is not None and r.error_kind != "cancelled"]
+    scheduled_rate = _rate([r.scheduled_s or 0.0 for r in first_turns])
+    achieved_rate = _rate([r.sent_s for r in first_turns])
+    lags = sorted(loop_lags)
+    queues = sorted(r.client_queue_s for r in first_turns)
+    delay = {f"p{p:g}": nearest_rank(lags, p) for p in (50.0, 95.0, 99.0)} if lags else {}
+    lag_p99 = delay.get("p99")
+    queue_p90 = nearest_rank(queues, 90.0) if queues else None
+    queue_p99 = nearest_rank(queues, 99.0) if queues else None
+    reasons, notes = [], []
+    if scheduled_rate and achieved_rate is not None and achieved_rate < (1 - RATE_SHORTFALL) * scheduled_rate:
+        reasons.append(
+            f"achieved {achieved_rate:.2f} req/s, more than {RATE_SHORTFALL:.0%} short of the "
+            f"scheduled {scheduled_rate:.2f} req/s"
         )
+    if cpu_util >= CPU_SATURATED:
+        reasons.append(f"client CPU saturated ({cpu_util:.0%} of one core)")
+    if queue_p90 is not None and queue_p90 > CLIENT_QUEUE_LIMIT_S:
+        reasons.append(f"requests waited on the client: p90 {queue_p90 * 1000:.0f} ms past their due time")
+    elif queue_p99 is not None and queue_p99 > CLIENT_QUEUE_LIMIT_S:
+        notes.append(
+            f"a few sends were late (client queueing p99 {queue_p99 * 1000:.0f} ms): a busy machine?"
+        )
+    if lag_p99 is not None and lag_p99 > LOOP_LAG_NOTE_S:
+        shown = " / ".join(f"{v * 1000:.1f}" for v in delay.values())
+        line = (
+            f"the client's event loop woke up late (p50/p95/p99 {shown} ms): up to that much of the "
+            "p50/p95/p99 of TTFT, ITL and E2E could be client delay"
+        )
+        (reasons if lag_p99 > LOOP_LAG_LIMIT_S else notes).append(line)
+    return ClientHealth(
+        target_rate_per_s,
+        scheduled_rate,
+        achieved_rate,
+        cpu_util,
+        lag_p99,
+        queue_p99,
+        bool(reasons),
+        reasons,
+        notes,
+        delay,
+    )
 
 
 def _rate(times: list[float]) -> float | None:

@@ -86,7 +86,7 @@ def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]
     """Classify phases, compute every metric on the measured requests, return the result document."""
     records = outcome.records
     control = settings.control
-    assign_phases(records, control.warmup_s, control.cooldown_s, outcome.send_end_s)
+    assign_phases(records, control.warmup_s, control.cooldown_s, outcome.send_end_s, control.warmup_requests)
     measured = [r for r in records if r.phase == "measured"]
     ok = [r for r in measured if r.ok]
     phases = Counter(r.phase for r in records)
@@ -227,10 +227,11 @@ def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: Be
 
 
 def exit_code(result: dict[str, Any]) -> int:
-    """0 complete; 1 aborted or failed in a way that points at the setup; 130 interrupted."""
+    """0 complete; 1 aborted, nothing measured, or failed in a way that points at the setup; 130
+    interrupted."""
     if result["status"] == "interrupted":
         return 130
-    if result["status"] == "aborted":
+    if result["status"] == "aborted" or not result["counts"]["measured"]:
         return 1
     fatal = [k for k in result["errors"]["all_phases"] if k in FATAL_ERROR_KINDS]
     return 1 if fatal else 0

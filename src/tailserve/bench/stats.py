@@ -237,18 +237,24 @@ def attribute_slowest(measured: Sequence[RequestRecord], fraction: float = 0.01)
 
 
 def assign_phases(
-    records: Sequence[RequestRecord], warmup_s: float, cooldown_s: float, send_end_s: float
+    records: Sequence[RequestRecord],
+    warmup_s: float,
+    cooldown_s: float,
+    send_end_s: float,
+    warmup_requests: int = 0,
 ) -> None:
     """Mark each request warmup / measured / cooldown by when it was *sent* (cancelled ones stay so).
 
-    Warm-up: sent before `warmup_s` from the run start. Cool-down: sent after `send_end_s - cooldown_s`.
-    Excluded requests still loaded the server; they are only left out of the statistics.
+    Warm-up: sent before `warmup_s` from the run start, or among the first `warmup_requests` sent.
+    Cool-down: sent after `send_end_s - cooldown_s`. Excluded requests still loaded the server; they
+    are only left out of the statistics.
     """
     cooldown_from = send_end_s - cooldown_s if cooldown_s > 0 else math.inf
+    first_sent = {id(r) for r in sorted(records, key=lambda r: r.sent_s)[:warmup_requests]}
     for r in records:
         if r.phase == "cancelled" or r.error_kind == "cancelled":
             r.phase = "cancelled"
-        elif r.sent_s < warmup_s:
+        elif r.sent_s < warmup_s or id(r) in first_sent:
             r.phase = "warmup"
         elif r.sent_s > cooldown_from:
             r.phase = "cooldown"

@@ -116,7 +116,11 @@ def _client_lines(client: dict[str, Any] | None) -> list[str]:
         if client["target_rate_per_s"]:
             parts.append(f"target {client['target_rate_per_s']:.2f}")
     parts.append(f"CPU {client['cpu_util']:.0%} of a core")
-    if client["loop_lag_p99_s"] is not None:
+    delay = client.get("client_delay_s") or {}
+    if delay:
+        shown = "/".join(f"{v * 1000:.1f}" for v in delay.values())
+        parts.append(f"loop lag p50/p95/p99 {shown} ms (client delay in those percentiles, at most)")
+    elif client["loop_lag_p99_s"] is not None:
         parts.append(f"loop lag p99 {client['loop_lag_p99_s'] * 1000:.1f} ms")
     verdict = "CLIENT IS THE BOTTLENECK" if client["bottleneck"] else "client kept up"
     return [f"client: {', '.join(parts)} -> {verdict}"]
