@@ -110,11 +110,22 @@ class Agreement:
         return self.ppl / self.ppl_ref
 
 
-def trace_model(model: TransformerLM, text: HeldOutText, plan: EvalPlan, device: torch.device) -> ModelTrace:
-    """Run the held-out text through `model` on a small KV pool of its own, the way the server would."""
+def trace_model(
+    model: TransformerLM,
+    text: HeldOutText,
+    plan: EvalPlan,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
+) -> ModelTrace:
+    """Run the held-out text through `model` on a small KV pool of its own, the way the server would
+    (`kv_dtype` None: the KV cache in the model's activation dtype)."""
     blocks_per_seq = math.ceil(plan.max_positions / _BLOCK_SIZE)
     num_seqs = max(len(text.windows), len(text.prompts))
-    runner = ModelRunner(model, num_seqs * blocks_per_seq, _BLOCK_SIZE, device)
+    num_blocks = num_seqs * blocks_per_seq
+    if kv_dtype is None:
+        runner = ModelRunner(model, num_blocks, _BLOCK_SIZE, device)
+    else:
+        runner = ModelRunner(model, num_blocks, _BLOCK_SIZE, device, kv_dtype=kv_dtype)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
     trace = ModelTrace()
     _teacher_forced(runner, text.windows, tables, plan, trace)
