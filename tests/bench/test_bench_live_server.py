@@ -11,18 +11,15 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tailserve.cli import main
 from tests.bench.conftest import CHROMIUM, render_in_chromium
+from tests.server.harness import serve_process, tailserve_command
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tailserve.server.cli") is None, reason="tailserve.server has not landed"
@@ -30,51 +27,17 @@ pytestmark = pytest.mark.skipif(
 READY_TIMEOUT_S = 180.0
 
 
-def tailserve_command() -> list[str]:
-    script = Path(sys.executable).with_name("tailserve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "tailserve.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [*tailserve_command(), "serve", "--model", "dummy:tiny", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    try:
-        while True:
-            assert proc.poll() is None, f"tailserve serve exited with {proc.returncode}; see {log.name}"
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "tailserve serve did not become ready"
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+def live_server() -> Iterator[str]:
+    # A lax TTFT target: admission must not refuse requests because other jobs load the machine.
+    args = ["--model", "dummy:tiny", "--slo-ttft", "60"]
+    with serve_process(args, ready_timeout_s=READY_TIMEOUT_S) as server:
+        yield server.base
 
 
 def bench(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*tailserve_command(), "bench", *argv],
+        tailserve_command("bench", *argv),
         capture_output=True,
         text=True,
         timeout=300,

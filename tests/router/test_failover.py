@@ -24,6 +24,7 @@ import pytest
 
 from tests.router.conftest import FAST, RouterFactory
 from tests.router.fake_replica import free_port
+from tests.server.harness import wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
@@ -70,16 +71,8 @@ class ReplicaProcess:
         )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, f"{self.name} exited"
-            try:
-                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.name} not ready")
+        assert self.process is not None
+        wait_ready(self.url, START_TIMEOUT_S, self.process)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

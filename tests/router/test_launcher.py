@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +14,7 @@ import pytest
 from tailserve.cli import build_parser
 from tailserve.router import launcher
 from tests.router.fake_replica import free_port
+from tests.server.harness import running_process, tailserve_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,30 +89,16 @@ def test_wait_ready_fails_fast_when_a_child_exits() -> None:
 
 def test_serve_replicas_end_to_end() -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "tailserve.cli", "serve", "--model", "dummy:tiny", "--replicas", "2"]
+    cmd = tailserve_command("serve", "--model", "dummy:tiny", "--replicas", "2")
     cmd += ["--port", str(port), "--log-level", "warning", "--drain-timeout", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "the launcher exited"
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "router never became ready"
-            time.sleep(0.2)
-        rows = httpx.get(url + "/router/replicas").json()["replicas"]
+    with running_process(cmd, port, ready_timeout_s=180, env={"OMP_NUM_THREADS": "1"}) as router:
+        rows = httpx.get(router.base + "/router/replicas").json()["replicas"]
         replica_ports = [int(r["url"].rsplit(":", 1)[1]) for r in rows]
         assert len(rows) == 2 and replica_ports[1] == replica_ports[0] + 1
         body = {"model": "dummy-tiny", "prompt": "hello", "max_tokens": 4}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        assert httpx.post(router.base + "/v1/completions", json=body, timeout=60).json()["choices"]
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(timeout=60) == 0  # the router drains and exits 0, as the server does
     for p in replica_ports:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{p}/health", timeout=2)
