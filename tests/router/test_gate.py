@@ -58,6 +58,8 @@ def test_router_errors_are_openai_json_and_models_retrieve_works(
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(f"{router.base}/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"]
+    r = httpx.post(f"{router.base}/v1/completions", json={"model": TINY}, headers={"x-pad": "p" * 200_000})
+    assert r.status_code == 431 and r.json()["error"]["type"] == "invalid_request_error"
     client = openai.OpenAI(base_url=f"{router.base}/v1", api_key="unused", max_retries=0)
     assert client.models.retrieve(TINY).id == TINY
     with pytest.raises(openai.NotFoundError):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +277,13 @@ def test_generation_defaults_from_hf_config_and_gguf(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     assert read_generation_defaults(path) == GenerationDefaults(temperature=0.25, top_k=30)
+
+
+def test_server_modules_and_engine_stats_load_without_torch() -> None:
+    """The server types the engine with engine/stats.py and config.py; neither may pull in torch."""
+    code = (
+        "import sys, tailserve.server.app, tailserve.server.lifecycle, tailserve.engine.stats; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
