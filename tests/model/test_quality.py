@@ -19,13 +19,13 @@ import torch
 from tailserve.errors import ConfigError
 from tailserve.model.loader import LoadedModel
 from tailserve.model.quality import EvalPlan
+from tailserve.model.quality_cache import fingerprint
 from tailserve.model.quality_gate import (
     GateThresholds,
     QualityGate,
     build_format_model,
     candidate_formats,
     choose_weight_format,
-    fingerprint,
 )
 from tailserve.model.transformer import TransformerLM
 

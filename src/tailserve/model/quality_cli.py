@@ -64,7 +64,7 @@ def _eval(args: argparse.Namespace) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(args.num_threads or max(1, cores - 1))
     formats = FORMATS if args.weight_format == "all" else (args.weight_format,)
-    available = buildable_formats()
+    available = buildable_formats(device)
     results: list[GateResult] = []
     try:
         plan = EvalPlan(
@@ -84,7 +84,7 @@ def _eval(args: argparse.Namespace) -> int:
             if fmt not in available:
                 if args.weight_format != "all":
                     raise TailserveError(f"weight format {fmt} is not available ({', '.join(available)} are)")
-                print(f"{fmt}: not available in this build, skipped", file=sys.stderr)
+                print(f"{fmt}: not available on {device.type}, skipped", file=sys.stderr)
                 continue
             results.append(gate.result(fmt, args.kv_cache_dtype, use_cache=not args.no_cache))
     except TailserveError as exc:

@@ -9,10 +9,7 @@ It never serves a failing format unless forced, and never gates dummy (random) w
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,15 +20,15 @@ from typing import Any, NamedTuple
 import torch
 
 import tailserve
-from tailserve.errors import ConfigError, ModelLoadError
-from tailserve.model.loader import LoadedModel, default_model_path, load_model
+from tailserve.errors import ConfigError
+from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.quality import Agreement, EvalPlan, HeldOutText, ModelTrace, compare, trace_model
+from tailserve.model.quality_cache import GateCache, fingerprint
 from tailserve.model.transformer import TransformerLM
 
 log = logging.getLogger(__name__)
 
 GATE_VERSION = 1  # bump when what is measured changes: older cache entries then stop matching
-_FINGERPRINT_BYTES = 1 << 20
 _KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Fastest first. The formats that can be built today; `auto` takes the first one that passes.
 _CANDIDATES = {"cpu": ("int4", "int8", "bf16"), "cuda": ("bf16",)}
@@ -102,41 +99,6 @@ def passes(a: Agreement, t: GateThresholds) -> bool:
     return a.top1 >= t.min_top1 and a.ppl_ratio <= t.max_ppl_ratio
 
 
-def default_cache_dir() -> Path:
-    """$TAILSERVE_CACHE_DIR/quality, else ~/.cache/tailserve/quality (XDG_CACHE_HOME respected)."""
-    root = os.environ.get("TAILSERVE_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "quality"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tailserve" / "quality"
-
-
-def model_files(spec: str) -> list[Path]:
-    """The files whose bytes decide the weights: the .gguf, or a directory's config and safetensors."""
-    path = default_model_path() if spec == "default" else Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist")
-    if path.is_dir():
-        return sorted([*path.glob("*.safetensors"), *path.glob("config.json")])
-    return [path]
-
-
-def fingerprint(spec: str) -> str:
-    """sha256 over each weight file's name, size, first and last MiB: cheap at start-up (a full
-    hash of the 98 MB default model took ~10 s on a busy 2-core box); a re-download or a
-    re-quantization changes the size or the header, so it changes this."""
-    h = hashlib.sha256()
-    for f in model_files(spec):
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\0".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(_FINGERPRINT_BYTES))
-            if size > 2 * _FINGERPRINT_BYTES:
-                fh.seek(size - _FINGERPRINT_BYTES)
-                h.update(fh.read())
-    return h.hexdigest()
-
-
 def concrete_kv_dtype(weight_format: str, kv_cache_dtype: str) -> str:
     """`auto` KV is the activation dtype of the weight format: fp32 for fp32, bf16 for the rest."""
     if kv_cache_dtype != "auto":
@@ -150,9 +112,9 @@ def build_format_model(
     """The model in `weight_format` as the server builds it (model.formats), from the fp32 load."""
     from tailserve.model.formats import build_model
 
-    if weight_format not in buildable_formats():
+    if weight_format not in (available := buildable_formats(device)):
         raise ConfigError(
-            f"weight format {weight_format} is not available ({', '.join(buildable_formats())} are)"
+            f"weight format {weight_format} is not available on {device.type} ({', '.join(available)} are)"
         )
     if kv_cache_dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"--kv-cache-dtype must be auto, fp32 or bf16, got {kv_cache_dtype!r}")
@@ -176,7 +138,7 @@ class QualityGate:
     num_measured: int = 0  # formats traced by this gate (not counting the fp32 reference)
 
     def __post_init__(self) -> None:
-        self.cache_dir = self.cache_dir or default_cache_dir()
+        self.cache = GateCache(self.cache_dir)
         self._fingerprint = fingerprint(self.model)
         self._reference: ModelTrace | None = None
         self._text: HeldOutText | None = None
@@ -191,20 +153,20 @@ class QualityGate:
         key = self._key(weight_format, kv)
         agreement, seconds = self._measure(weight_format, kv)
         result = self._result(weight_format, kv, agreement, seconds)
-        self._write(key, {"key": key, "result": dataclasses.asdict(result)})
+        self.cache.write(key, {"key": key, "result": dataclasses.asdict(result)})
         return result
 
     def cached(self, weight_format: str, kv_cache_dtype: str = "auto") -> GateResult | None:
         """The cached result, or None (a corrupt or mismatching file is ignored with a warning)."""
         kv = concrete_kv_dtype(weight_format, kv_cache_dtype)
         key = self._key(weight_format, kv)
-        entry = self._read(key)
+        entry = self.cache.read(key)
         if entry is None:
             return None
         try:
             return _result_from_json(entry["result"])
         except (KeyError, TypeError, ValueError) as exc:
-            log.warning("ignoring corrupt quality-gate cache file %s: %s", self._path(key), exc)
+            log.warning("ignoring corrupt quality-gate cache file %s: %s", self.cache.path(key), exc)
             return None
 
     def _measure(self, weight_format: str, kv: str) -> tuple[Agreement, float]:
@@ -242,19 +204,19 @@ class QualityGate:
         if self._reference is not None:
             return self._reference
         key = self._key("reference", "fp32")
-        entry = self._read(key)
+        entry = self.cache.read(key)
         if entry is not None:
             try:
                 self._reference = ModelTrace(**entry["trace"])
                 return self._reference
             except (KeyError, TypeError) as exc:
-                log.warning("ignoring quality-gate reference %s: %s", self._path(key), exc)
+                log.warning("ignoring quality-gate reference %s: %s", self.cache.path(key), exc)
         log.info("quality gate: tracing the fp32 reference (once per model; cached)")
         loaded = self._fp32()
         text = self._held_out(loaded)
         model = build_format_model(loaded, "fp32", "fp32", self.plan.max_positions, self.device)
         self._reference = trace_model(model, text, self.plan, self.device)
-        self._write(key, {"key": key, "trace": dataclasses.asdict(self._reference)})
+        self.cache.write(key, {"key": key, "trace": dataclasses.asdict(self._reference)})
         return self._reference
 
     def _result(self, weight_format: str, kv: str, a: Agreement, seconds: float) -> GateResult:
@@ -293,7 +255,9 @@ class QualityGate:
             "tailserve_version": tailserve.__version__,
             "model_fingerprint": self._fingerprint,
             "device": self.device.type,
+            "torch_version": torch.__version__,  # the kernels are torch's
             "weight_format": weight_format,
+            "kernels": _kernels(weight_format, self.device),  # a format whose kernel plan changes re-measures
             "kv_cache_dtype": kv,
             "plan": dataclasses.asdict(self.plan),
         }
@@ -301,34 +265,15 @@ class QualityGate:
             key["thresholds"] = dataclasses.asdict(self.thresholds)
         return key
 
-    def _path(self, key: dict[str, object]) -> Path:
-        assert self.cache_dir is not None
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        return self.cache_dir / f"{key['weight_format']}-{digest}.json"
 
-    def _read(self, key: dict[str, object]) -> dict[str, Any] | None:
-        path = self._path(key)
-        if not path.is_file():
-            return None
-        try:
-            entry = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring unreadable quality-gate cache file %s: %s", path, exc)
-            return None
-        if not isinstance(entry, dict) or entry.get("key") != key:
-            log.warning("ignoring stale quality-gate cache file %s (made for another model or gate)", path)
-            return None
-        return entry
+def _kernels(weight_format: str, device: torch.device) -> str:
+    """The kernel plan behind a format name (per phase and for the LM head), as text for the cache key."""
+    from tailserve.model.formats import plan_for
 
-    def _write(self, key: dict[str, object], entry: dict[str, Any]) -> None:
-        path = self._path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(entry))
-            tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
-        except OSError as exc:
-            log.warning("could not write the quality-gate cache %s: %s (the gate will run again)", path, exc)
+    try:
+        return repr(plan_for("fp32" if weight_format == "reference" else weight_format, device))
+    except ConfigError:
+        return "unavailable"
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -354,16 +299,16 @@ def _result_from_json(fields: Any) -> GateResult:
     return GateResult(**values, origin="cache")
 
 
-def buildable_formats() -> tuple[str, ...]:
-    """Weight formats this build can construct and therefore measure."""
+def buildable_formats(device: torch.device) -> tuple[str, ...]:
+    """Weight formats this build can construct on `device`, and therefore measure."""
     from tailserve.model.formats import PLANS
 
-    return tuple(PLANS)
+    return tuple(f for f in PLANS if _kernels(f, device) != "unavailable")
 
 
 def candidate_formats(device: torch.device) -> tuple[str, ...]:
     """Formats `auto` tries on this device, fastest first (fp32, the reference, is the fallback)."""
-    return tuple(f for f in _CANDIDATES.get(device.type, ()) if f in buildable_formats())
+    return tuple(f for f in _CANDIDATES.get(device.type, ()) if f in buildable_formats(device))
 
 
 def choose_weight_format(
