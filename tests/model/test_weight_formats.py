@@ -10,6 +10,7 @@ import torch
 
 from tailserve.model.gguf_file import GGUFTensor
 from tailserve.model.linear import Linear, WeightSource, fuse
+from tailserve.model.loader import LoadedModel
 from tailserve.model.weight_formats import (
     dequantize_tensor,
     int4_from_blocks,
@@ -131,3 +132,14 @@ def test_decode_rows_take_the_decode_kernel_and_ignore_their_neighbours() -> Non
     alone = layer(x[:1], 1)
     for rows in range(2, 10):
         assert torch.equal(layer(x[:rows], rows)[:1], alone)
+
+
+def test_real_model_int4_groups_are_exactly_its_weights(smol: LoadedModel) -> None:
+    """Every Q4_1 tensor of the default model (Q/K rows already back in HF order) becomes int4 groups
+    that stand for exactly the dequantized fp32 weight: no re-quantization anywhere."""
+    q4 = {name: t for name, t in smol.blocks.items() if t.type_name in ("Q4_0", "Q4_1")}
+    assert len(q4) == 7 * smol.arch.num_layers
+    for name, t in q4.items():
+        groups = int4_from_blocks(t)
+        assert groups is not None
+        assert torch.equal(groups.dequantize(), smol.weights[name]), name
