@@ -31,7 +31,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: cores - 1, min 1)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="default: $TAILSERVE_CACHE_DIR/quality")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where results live (default: $TAILSERVE_CACHE_DIR/quality, else ~/.cache/tailserve/quality)",
+    )
     p.add_argument("--no-cache", action="store_true", help="measure again even when a cached result exists")
     p.add_argument("--json", action="store_true", help="print the results as JSON lines")
     p.set_defaults(func=_eval)
