@@ -143,3 +143,14 @@ def test_real_model_int4_groups_are_exactly_its_weights(smol: LoadedModel) -> No
         groups = int4_from_blocks(t)
         assert groups is not None
         assert torch.equal(groups.dequantize(), smol.weights[name]), name
+
+
+def test_dense_decode_threshold_is_opt_in_and_batch_dependent() -> None:
+    t = _blocks("Q4_1", 48, 96, seed=7)
+    source = WeightSource(dequantize_tensor(t), int4_from_blocks(t))
+    layer = Linear(source, None, "int4", "bf16", dense_decode_from_rows=4)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert layer.int4 is not None
+    assert torch.equal(layer(x, 3)[:3], layer.int4.matmul(x[:3].contiguous()))  # under the threshold
+    assert torch.equal(layer(x, 4), torch.nn.functional.linear(x, layer.weight))  # at it: all dense
+    assert Linear(source, None, "int4", "bf16").dense_decode_from_rows is None  # never by default

@@ -40,10 +40,19 @@ def resolve_format(weight_format: str, device: torch.device) -> str:
     return weight_format
 
 
-def plan_for(weight_format: str, device: torch.device, head: str | None = None) -> FormatPlan:
-    """The kernel plan of a format; `head` overrides the LM head's kernel (fp32, bf16, int8, int4)."""
+def plan_for(
+    weight_format: str,
+    device: torch.device,
+    head: str | None = None,
+    dense_decode_from_rows: int | None = None,
+) -> FormatPlan:
+    """The kernel plan of a format; `head` overrides the LM head's kernel (fp32, bf16, int8, int4).
+
+    `dense_decode_from_rows` (opt-in, batch-dependent) sends decode rows of steps with at least that
+    many decodes through the prefill kernel (bf16): faster at large batches, see docs/ENGINE.md.
+    """
     plan = PLANS[resolve_format(weight_format, device)]
-    return plan if head is None else FormatPlan(plan.decode, plan.prefill, head)
+    return FormatPlan(plan.decode, plan.prefill, head or plan.head, dense_decode_from_rows)
 
 
 def activation_dtype(weight_format: str, device: torch.device) -> torch.dtype:
@@ -57,9 +66,10 @@ def build_model(
     device: torch.device,
     max_positions: int,
     head: str | None = None,
+    dense_decode_from_rows: int | None = None,
 ) -> TransformerLM:
     """The transformer in `weight_format` on `device`, from weights already loaded (any load dtype)."""
-    plan = plan_for(weight_format, device, head)
+    plan = plan_for(weight_format, device, head, dense_decode_from_rows)
     blocks = loaded.blocks
     int4: dict[str, Int4Groups] = {}
     if plan.decode == "int4" or plan.head == "int4":

@@ -50,8 +50,17 @@ def fuse(parts: list[WeightSource]) -> WeightSource:
 class Linear(nn.Module):
     """y = x W^T + b with the decode rows (the first `num_decodes`) and the rest on their own kernels."""
 
-    def __init__(self, source: WeightSource, bias: torch.Tensor | None, decode: str, prefill: str) -> None:
+    def __init__(
+        self,
+        source: WeightSource,
+        bias: torch.Tensor | None,
+        decode: str,
+        prefill: str,
+        dense_decode_from_rows: int | None = None,
+    ) -> None:
         super().__init__()
+        # Opt-in and batch-dependent: steps with at least this many decode rows run them dense too.
+        self.dense_decode_from_rows = dense_decode_from_rows
         if decode not in KERNELS or prefill not in _DENSE_DTYPES or (prefill == "fp32") != (decode == "fp32"):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
@@ -67,7 +76,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
         """x [T, K] contiguous, in the activation dtype; rows [0, num_decodes) are decodes."""
-        if self.decode_kernel == self.prefill_kernel or num_decodes == 0:
+        dense_decodes = self.dense_decode_from_rows is not None and num_decodes >= self.dense_decode_from_rows
+        if self.decode_kernel == self.prefill_kernel or num_decodes == 0 or dense_decodes:
             return F.linear(x, self.weight, self.bias)
         if num_decodes >= x.shape[0]:
             return self._decode(x)

@@ -39,6 +39,9 @@ class FormatPlan:
     decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
     prefill: str  # layer linears on prefill rows: fp32 or bf16 (bf16 unless everything is fp32)
     head: str  # the LM head, every sampled row: fp32, bf16, int8 (int4 offered, hurts quality)
+    # Opt-in, never a default: steps with at least this many decode rows run them on the prefill
+    # kernel (bf16 beats int4 from ~16 rows). A request's tokens then depend on the batch it is in.
+    dense_decode_from_rows: int | None = None
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -94,7 +97,9 @@ class DecoderLayer(nn.Module):
 
         def linear(names: list[str], bias: list[str] | None = None) -> Linear:
             b = torch.cat([w[prefix + n] for n in bias]) if bias else None
-            return Linear(fuse([src(n) for n in names]), b, plan.decode, plan.prefill)
+            return Linear(
+                fuse([src(n) for n in names]), b, plan.decode, plan.prefill, plan.dense_decode_from_rows
+            )
 
         a, m = "self_attn.", "mlp."
         qkv = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
