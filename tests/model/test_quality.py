@@ -42,7 +42,9 @@ def one_thread() -> Iterator[None]:
 
 
 TINY = EvalPlan(tokens=128, window_tokens=32, prefill_chunk_tokens=8, greedy_prompts=2, greedy_tokens=4)
-SMALL = EvalPlan(tokens=512, window_tokens=64, prefill_chunk_tokens=16, greedy_prompts=4, greedy_tokens=8)
+# 512 rows a phase: bf16's ~97% top-1 clears the per-phase 95% by ~3 standard errors.
+SMALL = EvalPlan(tokens=1024, window_tokens=64, prefill_chunk_tokens=16, greedy_prompts=4, greedy_tokens=8)
+LENIENT = GateThresholds(min_top1=0.8, max_ppl_ratio=1.05)  # TINY's 64 rows a phase are too few for 95%
 
 
 def scrambled_scales(
@@ -115,13 +117,14 @@ def test_broken_format_fails_and_is_refused_unless_forced(smol: LoadedModel, cac
 def test_auto_serves_the_fastest_format_that_passed(smol: LoadedModel, cache: Path) -> None:
     candidates = candidate_formats(CPU)
     assert candidates and candidates[-1] == "bf16"
-    broken = gate(smol, cache, build=scrambled_scales)
+    broken = gate(smol, cache, build=scrambled_scales, thresholds=LENIENT)
     for fmt in candidates:
-        broken.result(fmt)  # every candidate cached as failing...
-    assert choose_weight_format("default", "auto", CPU, cache_dir=cache, plan=TINY).weight_format == "fp32"
-    good = gate(smol, cache)
-    good.result("bf16", use_cache=False)  # ...then bf16 measured for real
-    choice = choose_weight_format("default", "auto", CPU, cache_dir=cache, plan=TINY)
+        assert not broken.result(fmt).passed  # every candidate cached as failing...
+    auto = {"cache_dir": cache, "plan": TINY, "thresholds": LENIENT}
+    assert choose_weight_format("default", "auto", CPU, **auto).weight_format == "fp32"  # type: ignore[arg-type]
+    good = gate(smol, cache, thresholds=LENIENT)
+    assert good.result("bf16", use_cache=False).passed  # ...then bf16 measured for real
+    choice = choose_weight_format("default", "auto", CPU, **auto)  # type: ignore[arg-type]
     assert choice.weight_format == "bf16" and choice.gate is not None and choice.gate.origin == "cache"
 
 

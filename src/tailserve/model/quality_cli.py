@@ -131,7 +131,7 @@ def _table(results: list[Any]) -> str:
     if results:
         r0 = results[0]
         lines.append(
-            f"gate: top-1 >= {r0.min_top1:.1%} and ppl ratio <= {r0.max_ppl_ratio:.4f} over prefill and "
-            f"decode rows together; model {r0.model} ({r0.model_fingerprint[:12]}), {r0.device}"
+            f"gate: top-1 >= {r0.min_top1:.1%} and ppl ratio <= {r0.max_ppl_ratio:.4f} on prefill rows and on "
+            f"decode rows each; model {r0.model} ({r0.model_fingerprint[:12]}), {r0.device}"
         )
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """The quality gate: may this weight format serve this model? Measured once, then read from a cache.
 
 A format passes when, against the fp32 reference on held-out text, perplexity stays within 1% and
-top-1 agreement is at least 95% (over prompt and decode rows together; each phase is shown). Results are cached per
-model fingerprint, format, KV dtype, thresholds and plan, so a server start never measures twice.
+top-1 agreement is at least 95%, on prompt rows and on decode rows each (a phase serves through its
+own kernels). Results are cached per model fingerprint, format, kernel plan, KV dtype, thresholds
+and measurement plan, so a server start never measures twice.
 It never serves a failing format unless forced, and never gates dummy (random) weights.
 """
 
@@ -28,7 +29,7 @@ from tailserve.model.transformer import TransformerLM
 
 log = logging.getLogger(__name__)
 
-GATE_VERSION = 1  # bump when what is measured changes: older cache entries then stop matching
+GATE_VERSION = 2  # bump when what is measured changes: older cache entries then stop matching
 _KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Fastest first. The formats that can be built today; `auto` takes the first one that passes.
 _CANDIDATES = {"cpu": ("int4", "int8", "bf16"), "cuda": ("bf16",)}
@@ -92,11 +93,14 @@ class FormatChoice(NamedTuple):
 
 
 def passes(a: Agreement, t: GateThresholds) -> bool:
-    """Both figures within bounds over every scored row, prompt and decode rows together.
+    """Both figures within bounds on prompt rows and on decode rows, each phase on its own.
 
-    Per-phase verdicts were tried: at a few hundred rows per phase the sampling noise of top-1
-    (about 1%) alone flipped bf16 from pass to fail, so the phases are shown, not gated apart."""
-    return a.top1 >= t.min_top1 and a.ppl_ratio <= t.max_ppl_ratio
+    Pooled over both phases, int8 passed (top-1 95.3%) while its decode rows, the ones its kernel
+    serves, agreed 94.9%. Per phase the figures need enough rows: at 2,048 a phase (the default)
+    top-1 noise is ~0.4%; at 256 it is ~1%, enough to flip bf16 (97%) now and then."""
+    top1 = min(a.prefill_top1, a.decode_top1)
+    ratio = max(a.prefill_ppl_ratio, a.decode_ppl_ratio)
+    return top1 >= t.min_top1 and ratio <= t.max_ppl_ratio
 
 
 def concrete_kv_dtype(weight_format: str, kv_cache_dtype: str) -> str:
