@@ -1,4 +1,4 @@
-"""Run the real server stack (runner + app) around FakeEngine as a process, for signal tests.
+"""Run the real server stack (lifecycle + app) around FakeEngine as a process, for signal tests.
 
 Usage: python tests/server/fake_serve.py --port P [--step-s S] [--drain-timeout S]; never loads a model.
 """

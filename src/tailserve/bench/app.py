@@ -31,7 +31,7 @@ from tailserve.bench.corpus import PromptSource
 from tailserve.bench.errors import BenchConfigError, BenchError
 from tailserve.bench.html_report import render_html
 from tailserve.bench.lengths import parse_length_dist
-from tailserve.bench.load_loop import RunControl, Runner
+from tailserve.bench.load_loop import LoadLoop, RunControl
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.result import (
     BenchSettings,
@@ -219,8 +219,8 @@ def _arrival_from_args(args: argparse.Namespace, preset: Preset | None) -> Arriv
     )
 
 
-def make_runner(settings: BenchSettings, tokenizer: PromptTokenizer, source: PromptSource) -> Runner:
-    """Draw the schedule and the prompts (seeded) and wire up a Runner."""
+def make_load_loop(settings: BenchSettings, tokenizer: PromptTokenizer, source: PromptSource) -> LoadLoop:
+    """Draw the schedule and the prompts (seeded) and wire up a LoadLoop."""
     control, arrival = settings.control, settings.arrival
     workload_rng = np.random.default_rng([settings.seed, 1])
     if settings.trace:
@@ -230,7 +230,7 @@ def make_runner(settings: BenchSettings, tokenizer: PromptTokenizer, source: Pro
         if control.duration_s is not None:
             entries = [e for e in entries if e.offset_s < control.duration_s]
         plans = conversations_from_trace(entries, source, workload_rng)
-        return Runner(settings.target, control, tokenizer, conversations=plans)
+        return LoadLoop(settings.target, control, tokenizer, conversations=plans)
     assert settings.workload is not None
     generator = WorkloadGenerator(settings.workload, source, workload_rng)
     if arrival.kind in OPEN_LOOP_KINDS:
@@ -241,7 +241,7 @@ def make_runner(settings: BenchSettings, tokenizer: PromptTokenizer, source: Pro
         )
         plans = build_conversations(generator, len(offsets) * turns, offsets)
         rate = None if arrival.kind == "ramp" else arrival.rate_per_s
-        return Runner(
+        return LoadLoop(
             settings.target,
             control,
             tokenizer,
@@ -249,15 +249,15 @@ def make_runner(settings: BenchSettings, tokenizer: PromptTokenizer, source: Pro
             generator=generator,
             target_rate_per_s=rate,
         )
-    return Runner(settings.target, control, tokenizer, generator=generator)
+    return LoadLoop(settings.target, control, tokenizer, generator=generator)
 
 
 async def run_once(
     settings: BenchSettings, tokenizer: PromptTokenizer, source: PromptSource
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
     """One complete run: schedule, send, measure, build the result document."""
-    runner = make_runner(settings, tokenizer, source)
-    outcome = await runner.run()
+    loop = make_load_loop(settings, tokenizer, source)
+    outcome = await loop.run()
     return build_result(outcome, settings), outcome.records
 
 

@@ -102,7 +102,7 @@ class _RunState:
     loop_lags: list[float] = field(default_factory=list)
 
 
-class Runner:
+class LoadLoop:
     """One benchmark run against one target."""
 
     def __init__(

@@ -48,7 +48,7 @@ WARMUP_PROMPT = "Hello! Say something short."
 
 @dataclass
 class ServerState:
-    """Everything one app owns; reachable as `app.state.tailserve` (the runner drains through it)."""
+    """Everything one app owns; reachable as `app.state.tailserve` (lifecycle.py drains through it)."""
 
     engine: Engine
     config: ServerConfig
