@@ -17,10 +17,10 @@ from tailserve.config import CacheConfig, ModelConfig
 from tailserve.errors import ConfigError
 from tailserve.model.arch import ArchConfig
 from tailserve.model.attention import AttentionBackend
+from tailserve.model.formats import activation_dtype, build_model
 from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.runner import ModelRunner, kv_bytes_per_token
 from tailserve.model.tokenizer import Tokenizer
-from tailserve.model.transformer import TransformerLM
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(weight_format: str, device: torch.device) -> torch.dtype:
-    """Activation dtype of a weight format: fp32 for fp32, bf16 otherwise (auto: fp32 on CPU, bf16 on CUDA)."""
-    if weight_format == "fp32" or (weight_format == "auto" and device.type == "cpu"):
-        return torch.float32
-    return torch.bfloat16
+    """Activation dtype of a weight format: fp32 for fp32, bf16 otherwise (model.formats resolves auto)."""
+    return activation_dtype(weight_format, device)
 
 
 def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = None) -> BuiltModel:
@@ -81,7 +79,7 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         mc.max_model_len or min(arch.max_position_embeddings, MAX_DEFAULT_CONTEXT),
         arch.max_position_embeddings,
     )
-    model = TransformerLM(arch, loaded.weights, max_model_len).to(device)
+    model = build_model(loaded, mc.weight_format, device, max_model_len)
     kv_dtype = model.embed.dtype
     per_token = kv_bytes_per_token(arch, kv_dtype)
     num_blocks = _num_blocks(cc, device, per_token)
