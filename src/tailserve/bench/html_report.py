@@ -7,6 +7,7 @@ over time, and the capacity curve when the result holds one. Warm-up and cool-do
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from html import escape
 from typing import Any
 
@@ -177,10 +178,11 @@ def _time_charts(result: dict[str, Any], records: list[RequestRecord], bands: li
     done = [r for r in records if r.ok]
     rows = result["windows"]["rows"]
     charts = []
-    for name, unit, scale, get, key in (
+    series: list[tuple[str, str, float, Callable[[RequestRecord], float | None], str]] = [
         ("TTFT", "s", 1.0, lambda r: r.ttft_s, "ttft_p99_s"),
         ("TPOT", "ms", 1000.0, lambda r: r.tpot_s, "tpot_p99_s"),
-    ):
+    ]
+    for name, unit, scale, get, key in series:
         pts = _thin([(r.sent_s, v * scale) for r in done if (v := get(r)) is not None])
         p99 = _window_steps(rows, key, scale)
         target = result["slo"]["targets"].get(f"{key.split('_')[0]}_p99_s")
