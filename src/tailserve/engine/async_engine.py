@@ -189,6 +189,9 @@ class AsyncEngine:
                 if self._streams.get(item.request_id, (None, None))[1] is item.stream:
                     del self._streams[item.request_id]
             item.loop.call_soon_threadsafe(item.stream.put_nowait, exc)
+            return
+        with self._lock:  # accepted: no other live request has this id, so the outputs are ours
+            self._streams[item.request_id] = (item.loop, item.stream)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:
