@@ -142,6 +142,18 @@ def test_cache_is_read_back_and_keyed_by_thresholds(smol: LoadedModel, cache: Pa
     assert not strict.passed and strict.top1 == measured.top1  # same figures, different verdict
 
 
+def test_a_changed_kernel_plan_is_measured_again(
+    smol: LoadedModel, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tailserve.model import formats
+    from tailserve.model.transformer import FormatPlan
+
+    gate(smol, cache).result("bf16")
+    monkeypatch.setitem(formats.PLANS, "bf16", FormatPlan(decode="bf16", prefill="bf16", head="fp32"))
+    again = gate(smol, cache)
+    assert again.result("bf16").origin == "measured" and again.num_measured == 1
+
+
 def test_corrupt_or_stale_cache_is_ignored_with_a_warning(
     smol: LoadedModel, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
