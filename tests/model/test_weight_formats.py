@@ -11,6 +11,7 @@ import torch
 from tailserve.model.gguf_file import GGUFTensor
 from tailserve.model.linear import Linear, WeightSource, fuse
 from tailserve.model.loader import LoadedModel
+from tailserve.model.transformer import LMHead
 from tailserve.model.weight_formats import (
     dequantize_tensor,
     int4_from_blocks,
@@ -154,3 +155,17 @@ def test_dense_decode_threshold_is_opt_in_and_batch_dependent() -> None:
     assert torch.equal(layer(x, 3)[:3], layer.int4.matmul(x[:3].contiguous()))  # under the threshold
     assert torch.equal(layer(x, 4), torch.nn.functional.linear(x, layer.weight))  # at it: all dense
     assert Linear(source, None, "int4", "bf16").dense_decode_from_rows is None  # never by default
+
+
+@pytest.mark.parametrize("kernel", ["bf16", "int8"])
+def test_lm_head_rescores_its_best_tokens_in_float32(kernel: str) -> None:
+    """bf16 output rounding (0.125 at logits near 25) must not tie or swap the best tokens."""
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(4096, 64, generator=gen) * 0.5).to(torch.bfloat16)
+    h = torch.randn(8, 64, generator=gen) * 4
+    head = LMHead(w, kernel, refine_with=w)
+    exact = h @ w.float().T
+    got = head(h)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    top = exact.topk(4, dim=-1).indices
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-4)

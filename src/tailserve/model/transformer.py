@@ -153,9 +153,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 
 class LMHead(nn.Module):
-    """The output projection on its own kernel (fp32, bf16, int8 or int4); returns float32 logits."""
+    """The output projection on its own kernel (fp32, bf16, int8 or int4); returns float32 logits.
 
-    def __init__(self, weight: torch.Tensor, kernel: str, int4: Int4Groups | None = None) -> None:
+    The 16-bit and int kernels round their output to bf16: at logits around 25 that is a step of
+    0.125, enough to tie or swap the two best tokens. So the `REFINE_TOP` best of every row are
+    re-scored in float32 from the bf16 weight rows (`refine_with`), a few thousand multiply-adds.
+    """
+
+    REFINE_TOP = 16
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        kernel: str,
+        int4: Int4Groups | None = None,
+        refine_with: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         if kernel not in HEAD_KERNELS:
             raise ValueError(f"LM head kernel must be one of {HEAD_KERNELS}, got {kernel!r}")
@@ -169,12 +182,22 @@ class LMHead(nn.Module):
             self.packed = pack_int8(int8_from_float(weight))
         else:
             self.packed = pack_int4(int4 if int4 is not None else int4_from_float(weight))
+        if kernel == "bf16" and refine_with is None:
+            refine_with = self.weight
+        self.refine_with = None if kernel == "fp32" else refine_with
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            return F.linear(h.to(self.weight.dtype), self.weight).float()
-        assert self.packed is not None
-        return self.packed.matmul(h.to(torch.bfloat16).contiguous()).float()
+            logits = F.linear(h.to(self.weight.dtype), self.weight).float()
+        else:
+            assert self.packed is not None
+            logits = self.packed.matmul(h.to(torch.bfloat16).contiguous()).float()
+        if self.refine_with is None or logits.shape[-1] <= self.REFINE_TOP:
+            return logits
+        top = logits.topk(self.REFINE_TOP, dim=-1).indices  # [R, k]
+        rows = self.refine_with[top].float()  # [R, k, hidden]
+        exact = torch.bmm(rows, h.float().unsqueeze(-1)).squeeze(-1)
+        return logits.scatter_(1, top, exact)
 
 
 class TransformerLM(nn.Module):
@@ -218,7 +241,8 @@ class TransformerLM(nn.Module):
         if tied and head_weight is None and plan.head in ("fp32", "bf16") and _dtype(plan.head) == dtype:
             self.lm_head = LMHead(self.embed, plan.head)  # same dtype: shares the embedding's storage
         else:
-            self.lm_head = LMHead(source, plan.head, groups.get(head_name))
+            refine = self.embed if tied and dtype == torch.bfloat16 else None
+            self.lm_head = LMHead(source, plan.head, groups.get(head_name), refine)
         inv_freq = rope_inv_freq(arch)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         half_sin = freqs.sin()
