@@ -103,6 +103,7 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         if request_id in self.running or request_id in self.waiting:
             self._aborted.add(request_id)
+        self.waiting.discard(request_id)  # also a stream that was never iterated: it holds nothing
 
     def stats(self) -> EngineStats:
         return EngineStats(
