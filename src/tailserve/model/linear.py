@@ -42,6 +42,8 @@ class WeightSource:
 
 def fuse(parts: list[WeightSource]) -> WeightSource:
     """Stack weights along N (q|k|v, gate|up); exact int4 groups survive only if every part has them."""
+    if len(parts) == 1:
+        return parts[0]  # no copy
     exact = [p.int4 for p in parts]
     groups = concat_int4([g for g in exact if g is not None]) if all(g is not None for g in exact) else None
     return WeightSource(torch.cat([p.dense for p in parts]), groups)
