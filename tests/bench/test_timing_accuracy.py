@@ -1,15 +1,17 @@
 """Against a real HTTP server whose token delays are scripted exactly, the bench's numbers are right.
 
 Delays are hundreds of milliseconds so that OS timer noise (about a millisecond) stays far inside the
-2% tolerance; arrivals are staggered (37 ms apart) so streams do not tick in lockstep. When the machine
-is so oversubscribed that the test server itself misses its schedule, or the client's event loop
-stalls, nothing can be measured to 2% and the test says so (skip) instead of failing at random.
+2% tolerance on a quiet machine; arrivals are staggered (37 ms apart) so streams do not tick in
+lockstep. On a busy machine the instruments themselves run late: each check also allows what they
+recorded of that in the same run (the test server's own slip, the client's loop lag and late sends),
+which on a quiet machine is a few milliseconds and so leaves the 2% claim intact.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tailserve.bench.records import RequestRecord
 from tests.bench.conftest import FakeServerProcess, run_bench
 
 REL = 0.02
@@ -23,9 +25,10 @@ def metric(result: dict, name: str, stat: str) -> float:
     return float(result["metrics"][name][stat])
 
 
-def require_quiet_machine(server: FakeServerProcess, result: dict) -> None:
-    """Skip when the instruments themselves ran late: the server's chunks or the client's loop."""
-    slips = []
+def instrument_lateness_s(server: FakeServerProcess, result: dict, records: list[RequestRecord]) -> float:
+    """How late the instruments ran in this run, by their own records: the test server's worst chunk
+    past its schedule, plus the client's worst send past its due time or its event-loop lag p99."""
+    slips = [0.0]
     for entry in server.log():
         b = entry["behaviour"]
         gaps = b["itl_s"] if isinstance(b["itl_s"], list) else [b["itl_s"]] * (len(entry["emits"]) - 1)
@@ -33,12 +36,14 @@ def require_quiet_machine(server: FakeServerProcess, result: dict) -> None:
         for i, emitted in enumerate(entry["emits"]):
             due += gaps[i - 1] if i else 0.0
             slips.append(emitted - due)
-    worst = max(slips)
-    lag = result["client"]["loop_lag_p99_s"] or 0.0
-    if worst > 0.008 or lag > 0.02:
-        pytest.skip(
-            f"machine oversubscribed: test server {worst * 1e3:.0f} ms late, client loop lag {lag * 1e3:.0f} ms"
-        )
+    client = max([result["client"]["loop_lag_p99_s"] or 0.0] + [r.client_queue_s for r in records])
+    return max(slips) + client
+
+
+def assert_timing(measured: float, scripted: float, lateness_s: float) -> None:
+    """`measured` is the scripted value to REL, give or take twice what the instruments ran late
+    (a late server chunk and a late client read both move one timestamp)."""
+    assert measured == pytest.approx(scripted, rel=REL, abs=2 * lateness_s), f"instruments {lateness_s=:.4f}"
 
 
 def test_sharp_tail_workload_matches_known_values(fake_server: FakeServerProcess) -> None:
@@ -53,38 +58,40 @@ def test_sharp_tail_workload_matches_known_values(fake_server: FakeServerProcess
         [
             "--base-url", fake_server.url, "--model", "fake-model", "--arrival", "constant", "--rate", "27",
             "-n", "100", "--warmup", "0", "--input-len", "fixed:16", "--output-len", "fixed:5",
-            "--no-progress", "--slo-ttft", "2", "--slo-tpot-ms", "300", "--slo-e2e", "5",
+            "--no-progress", "--slo-ttft", "2", "--slo-tpot-ms", "400", "--slo-e2e", "5",
         ]
     )  # fmt: skip
     assert result["counts"]["ok"] == 100 and result["counts"]["failed"] == 0
     assert all(r.output_tokens == 5 and r.output_tokens_source == "usage" for r in records)
-    require_quiet_machine(fake_server, result)
+    late_s = instrument_lateness_s(fake_server, result, records)
 
     # TTFT: 98 x 0.5 s and 2 x 2.5 s -> p50 0.5, p99 2.5 (nearest rank 99 of 100), mean 0.54.
-    assert metric(result, "ttft_s", "p50") == pytest.approx(0.5, rel=REL)
-    assert metric(result, "ttft_s", "p99") == pytest.approx(2.5, rel=REL)
-    assert metric(result, "ttft_s", "max") == pytest.approx(2.5, rel=REL)
-    assert metric(result, "ttft_s", "mean") == pytest.approx(0.54, rel=REL)
-    assert metric(result, "ttft_s", "p99_over_mean") == pytest.approx(2.5 / 0.54, rel=2 * REL)
+    assert_timing(metric(result, "ttft_s", "p50"), 0.5, late_s)
+    assert_timing(metric(result, "ttft_s", "p99"), 2.5, late_s)
+    assert_timing(metric(result, "ttft_s", "max"), 2.5, late_s)
+    assert_timing(metric(result, "ttft_s", "mean"), 0.54, late_s)
+    ttft = result["metrics"]["ttft_s"]
+    assert ttft["p99_over_mean"] == pytest.approx(ttft["p99"] / ttft["mean"])
 
     # E2E = TTFT + sum of gaps: 93 x 1.5, 5 x 2.75 (stall), 2 x 3.5 (slow prefill).
-    assert metric(result, "e2e_s", "p50") == pytest.approx(1.5, rel=REL)
-    assert metric(result, "e2e_s", "p95") == pytest.approx(2.75, rel=REL)
-    assert metric(result, "e2e_s", "p99") == pytest.approx(3.5, rel=REL)
-    assert metric(result, "e2e_s", "mean") == pytest.approx(1.6025, rel=REL)
+    assert_timing(metric(result, "e2e_s", "p50"), 1.5, late_s)
+    assert_timing(metric(result, "e2e_s", "p95"), 2.75, late_s)
+    assert_timing(metric(result, "e2e_s", "p99"), 3.5, late_s)
+    assert_timing(metric(result, "e2e_s", "mean"), 1.6025, late_s)
 
     # TPOT = (E2E - TTFT) / 4: 95 x 0.25, 5 x 0.5625.
-    assert metric(result, "tpot_s", "p50") == pytest.approx(0.25, rel=REL)
-    assert metric(result, "tpot_s", "p99") == pytest.approx(0.5625, rel=REL)
-    assert metric(result, "tpot_s", "mean") == pytest.approx(0.265625, rel=REL)
+    assert_timing(metric(result, "tpot_s", "p50"), 0.25, late_s)
+    assert_timing(metric(result, "tpot_s", "p99"), 0.5625, late_s)
+    assert_timing(metric(result, "tpot_s", "mean"), 0.265625, late_s)
 
     # ITL per token: 395 x 0.25 and 5 x 1.5 -> p99 (rank 396 of 400) is a stall.
     assert result["metrics"]["itl_s"]["count"] == 400
-    assert metric(result, "itl_s", "p50") == pytest.approx(0.25, rel=REL)
-    assert metric(result, "itl_s", "p99") == pytest.approx(1.5, rel=REL)
-    assert metric(result, "itl_s", "mean") == pytest.approx(0.265625, rel=REL)
+    assert_timing(metric(result, "itl_s", "p50"), 0.25, late_s)
+    assert_timing(metric(result, "itl_s", "p99"), 1.5, late_s)
+    assert_timing(metric(result, "itl_s", "mean"), 0.265625, late_s)
 
-    # SLO verdicts on the measured tail: TTFT p99 2.5 > 2 FAIL, TPOT 0.56 > 0.3 FAIL, E2E 3.5 <= 5 PASS.
+    # SLO verdicts on the measured tail: TTFT p99 2.5 > 2 FAIL, TPOT 0.56 > 0.4 FAIL, E2E 3.5 <= 5 PASS.
+    # Every threshold sits hundreds of ms from the values it separates, beyond any client lateness.
     verdicts = {v["name"]: v["passed"] for v in result["slo"]["verdicts"]}
     assert verdicts == {"p99_ttft_s": False, "p99_tpot_s": False, "p99_e2e_s": True, "error_rate": True}
     # Goodput: the 2 slow prefills miss TTFT, the 5 stalls miss TPOT.
@@ -108,13 +115,22 @@ def test_multi_token_chunks_split_the_gap(fake_server: FakeServerProcess) -> Non
     assert body["max_tokens"] == 9 and body["ignore_eos"] is True and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
     assert body["messages"][-1]["role"] == "user"
-    require_quiet_machine(fake_server, result)
-    assert metric(result, "ttft_s", "p50") == pytest.approx(0.5, rel=REL)
-    assert metric(result, "e2e_s", "p50") == pytest.approx(1.4, rel=REL)
-    assert metric(result, "tpot_s", "p50") == pytest.approx(0.1125, rel=REL)
-    assert metric(result, "itl_s", "p50") == pytest.approx(0.15, rel=REL)
-    assert metric(result, "itl_s", "mean") == pytest.approx(0.1125, rel=REL)
+    # The split itself, on what the client observed (exact whatever the machine's load): the two
+    # tokens that came with the first one have gap 0, the others a third of their chunk's gap.
+    for r in records:
+        first, second, last = r.chunk_times_s
+        a, b = (second - first) / 3, (last - second) / 3
+        assert r.itl_s() == pytest.approx([0.0, 0.0, a, a, a, b, b, b])
+        assert (r.ttft_s, r.e2e_s) == (first, last) and r.tpot_s == pytest.approx((last - first) / 8)
     assert result["metrics"]["itl_s"]["count"] == 20 * 8
+    assert metric(result, "itl_s", "mean") == pytest.approx(sum(r.e2e_s - r.ttft_s for r in records) / 160)
+    # And the numbers match the script: ITL p50 0.15 (not 0.45 per chunk, not 0.1125 per token).
+    late_s = instrument_lateness_s(fake_server, result, records)
+    assert_timing(metric(result, "ttft_s", "p50"), 0.5, late_s)
+    assert_timing(metric(result, "e2e_s", "p50"), 1.4, late_s)
+    assert_timing(metric(result, "tpot_s", "p50"), 0.1125, late_s)
+    assert_timing(metric(result, "itl_s", "p50"), 0.15, late_s)
+    assert_timing(metric(result, "itl_s", "mean"), 0.1125, late_s)
 
 
 def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerProcess) -> None:
