@@ -18,7 +18,15 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module", params=FORMATS)
 def llm(request: pytest.FixtureRequest, smol: LoadedModel) -> LLM:
     config = EngineConfig(
-        model=ModelConfig(model="default", weight_format=request.param, device="cpu", max_model_len=256),
+        # An explicit format is forced: this file tests the engine serving it; the gate's verdicts are
+        # tested in test_quality.py. `auto` goes through the gate (measured once, then cached).
+        model=ModelConfig(
+            model="default",
+            weight_format=request.param,
+            force_weight_format=request.param != "auto",
+            device="cpu",
+            max_model_len=256,
+        ),
         cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
     )
     return LLM(config=config, loaded=smol)

@@ -40,6 +40,7 @@ class LLMEngine:
         self.max_model_len = built.max_model_len
         self.kv_bytes_per_token = built.kv_bytes_per_token
         self.load_s = built.load_s
+        self.weight_format = built.weight_format
         cc = config.cache
         kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv)

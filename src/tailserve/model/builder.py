@@ -19,6 +19,7 @@ from tailserve.model.arch import ArchConfig
 from tailserve.model.attention import AttentionBackend
 from tailserve.model.formats import activation_dtype, build_model
 from tailserve.model.loader import LoadedModel, load_model
+from tailserve.model.quality_gate import GateResult, choose_weight_format
 from tailserve.model.runner import ModelRunner, kv_bytes_per_token
 from tailserve.model.tokenizer import Tokenizer
 
@@ -40,6 +41,8 @@ class BuiltModel:
     max_model_len: int
     kv_bytes_per_token: int
     load_s: float
+    weight_format: str  # the concrete format served (auto resolved by the quality gate)
+    gate: GateResult | None  # its gate figures; None for fp32 (the reference) and dummy weights
 
 
 def default_cpu_threads() -> int:
@@ -66,12 +69,27 @@ def resolve_dtype(weight_format: str, device: torch.device) -> torch.dtype:
     return activation_dtype(weight_format, device)
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, activation_dtype: torch.dtype) -> torch.dtype:
+    """`auto` keeps the activation dtype; fp32 / bf16 are explicit."""
+    return {"auto": activation_dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[kv_cache_dtype]
+
+
 def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = None) -> BuiltModel:
     """Load (unless `loaded` is given: tests reuse weights), build the model, size and allocate the pool."""
     device = resolve_device(mc.device)
     if device.type == "cpu":
         torch.set_num_threads(mc.num_threads or default_cpu_threads())  # per process: the engine owns it
-    dtype = resolve_dtype(mc.weight_format, device)
+    # The quality gate decides `auto` and vets an explicit fast format before anything is built.
+    choice = choose_weight_format(
+        mc.model,
+        mc.weight_format,
+        device,
+        kv_cache_dtype=mc.kv_cache_dtype,
+        force=mc.force_weight_format,
+        loaded=loaded,
+    )
+    weight_format = choice.weight_format
+    dtype = resolve_dtype(weight_format, device)
     if loaded is None:
         loaded = load_model(mc.model, dtype, mc.seed)
     arch = loaded.arch
@@ -79,17 +97,20 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         mc.max_model_len or min(arch.max_position_embeddings, MAX_DEFAULT_CONTEXT),
         arch.max_position_embeddings,
     )
-    model = build_model(loaded, mc.weight_format, device, max_model_len)
-    kv_dtype = model.embed.dtype
+    model = build_model(loaded, weight_format, device, max_model_len)
+    kv_dtype = resolve_kv_dtype(mc.kv_cache_dtype, dtype)
     per_token = kv_bytes_per_token(arch, kv_dtype)
     num_blocks = _num_blocks(cc, device, per_token)
-    runner = ModelRunner(model, num_blocks, cc.block_size, device, backend=_pick_backend(device))
+    runner = ModelRunner(
+        model, num_blocks, cc.block_size, device, backend=_pick_backend(device), kv_dtype=kv_dtype
+    )
     if runner.backend.name == "triton" and not mc.enforce_eager:
         _attach_decode_graphs(runner, max_model_len)
     tokens = num_blocks * cc.block_size
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %d bytes/token (%.1f MiB), "
-        "max %d concurrent requests at %d tokens of context; attention backend %s; decode graphs %s",
+        "max %d concurrent requests at %d tokens of context; weights %s, KV %s; attention backend %s; "
+        "decode graphs %s",
         num_blocks,
         cc.block_size,
         tokens,
@@ -97,6 +118,8 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         tokens * per_token / 2**20,
         tokens // max_model_len,
         max_model_len,
+        weight_format,
+        str(kv_dtype).removeprefix("torch."),
         runner.backend.name,
         "on" if runner.use_decode_graphs else "off",
     )
@@ -108,6 +131,8 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         max_model_len=max_model_len,
         kv_bytes_per_token=per_token,
         load_s=loaded.load_s,
+        weight_format=weight_format,
+        gate=choice.gate,
     )
 
 

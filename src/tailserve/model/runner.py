@@ -56,6 +56,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         backend: AttentionBackend | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -64,7 +65,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend: AttentionBackend = backend or TorchPagedAttention()
-        dtype = model.embed.dtype
+        dtype = kv_dtype or model.embed.dtype  # the KV cache may be narrower than the activations
         # One allocation for the whole pool; per-layer K/V are views. Nothing is allocated per request.
         shape = (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
