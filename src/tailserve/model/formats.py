@@ -1,7 +1,8 @@
 """Weight format names (`--weight-format`) -> the kernel plan of each part, and the model built in it.
 
-`auto` resolves here and nowhere else: on CPU the fastest format measured to keep quality, on CUDA
-bf16 (the int kernels used here are CPU ones). Never loads weights; never touches the KV pool.
+At start-up the quality gate resolves `auto` first (`quality_gate.choose_weight_format`: the fastest
+format that passed); `auto` reaching this module directly means the gate's first CPU candidate, int4
+(bf16 on CUDA: the int kernels used here are CPU ones). Never loads weights; never touches the KV pool.
 """
 
 from __future__ import annotations
