@@ -50,7 +50,6 @@ class FakeEngine:
         block_size: int = 16,
         reply: str = "The quick brown fox jumps over the lazy dog. ",
         wait_estimate_s: float | None = None,
-        warmup_delay_s: float = 0.0,
         scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.tokenizer = ByteTokenizer()
@@ -65,7 +64,6 @@ class FakeEngine:
         self.kv_blocks_total = kv_blocks_total
         self.reply = reply
         self.wait_estimate_s = wait_estimate_s
-        self.warmup_delay_s = warmup_delay_s
         self._max_running = max_running
         self._slots: asyncio.Semaphore | None = None
         self._aborted: set[str] = set()
@@ -148,8 +146,6 @@ class FakeEngine:
         held_blocks = 0
         acquired = False
         try:
-            if request_id.startswith("warmup-"):
-                await asyncio.sleep(self.warmup_delay_s)
             while not self.gate.is_set():
                 await asyncio.sleep(0.01)
             await self._slots.acquire()

@@ -78,7 +78,8 @@ def test_body_limit_by_header_and_by_bytes_received() -> None:
 
 
 def test_not_ready_until_warm_up_finishes() -> None:
-    engine = FakeEngine(warmup_delay_s=1.0)
+    engine = FakeEngine()
+    engine.gate.clear()  # the warm-up request waits here, however slowly this test's requests go
     with threaded_server(engine, ready=False) as base:
         assert httpx.get(f"{base}/health").status_code == 200
         r = httpx.get(f"{base}/ready")
@@ -86,6 +87,7 @@ def test_not_ready_until_warm_up_finishes() -> None:
         r = httpx.post(f"{base}/v1/completions", json=GOOD)
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
         assert metric(base, "tailserve_ready") == 0
+        engine.gate.set()
         wait_ready(base, 10)
         assert httpx.post(f"{base}/v1/completions", json=GOOD).status_code == 200
         assert metric(base, "tailserve_ready") == 1
