@@ -55,7 +55,8 @@ def hf_model(model: LoadedModel) -> LlamaForCausalLM:
     """A transformers LlamaForCausalLM holding the loaded weights (in eval mode)."""
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM(llama_config(model.arch)).eval()
+    hf: LlamaForCausalLM = LlamaForCausalLM(llama_config(model.arch))
+    hf.eval()  # type: ignore[no-untyped-call]
     hf.load_state_dict(model.weights, strict=False)
     hf.tie_weights()
     return hf

@@ -120,7 +120,7 @@ def hf_worker(spec_path: Path, out_path: Path) -> int:
         prompts = [
             [rng.randrange(3, top) for _ in range(rng.randint(lo, hi))] for _ in range(spec["requests"])
         ]
-        gen_cfg = GenerationConfig(
+        gen_cfg = GenerationConfig(  # type: ignore[no-untyped-call]
             max_new_tokens=spec["output"], do_sample=False, eos_token_id=None, pad_token_id=0
         )
         kwargs: dict[str, Any] = {"generation_config": gen_cfg, "record_timestamps": True}

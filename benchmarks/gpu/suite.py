@@ -126,7 +126,7 @@ class Suite:
         rec["seconds"] = round(time.perf_counter() - start, 2)
         log(f"{name}: {rec['status']} in {rec['seconds']:.1f} s")
         self.save()
-        return rec["status"] == "ok"
+        return bool(rec["status"] == "ok")
 
 
 def json_default(o: object) -> object:

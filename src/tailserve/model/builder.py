@@ -181,7 +181,7 @@ def _pick_backend(device: torch.device) -> AttentionBackend | None:
     if device.type != "cuda":
         return None
     try:
-        from tailserve.model.triton_attention import TritonPagedAttention  # type: ignore[import-not-found]
+        from tailserve.model.triton_attention import TritonPagedAttention
     except ImportError:
         return None
     backend: AttentionBackend = TritonPagedAttention()

@@ -88,7 +88,7 @@ class DecodeGraphRunner:
         mem_pool = None
         for b in reversed(self.batch_sizes):
             # Warm up on a side stream (compiles Triton kernels, sets up cuBLAS), then capture.
-            side = torch.cuda.Stream(device=self.runner.device)
+            side = torch.cuda.Stream(device=self.runner.device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(side):
                 self._forward(b)
@@ -200,7 +200,7 @@ class DecodeGraphRunner:
             block_tables=self.block_tables[:b],
         )
         runner = self.runner
-        return runner.model(
+        logits: torch.Tensor = runner.model(
             self.input_ids[:b],
             self.positions[:b],
             runner.kv_caches,
@@ -208,3 +208,4 @@ class DecodeGraphRunner:
             runner.backend,
             self.logits_indices[:b],
         )
+        return logits

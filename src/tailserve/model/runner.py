@@ -110,7 +110,8 @@ class ModelRunner:
         """Teacher-forced logits of every new token of every chunk, in order; KV written as in execute."""
         input_ids, positions, meta, _ = self._prepare(chunks)
         rows = torch.arange(input_ids.shape[0], device=self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
+        logits: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
+        return logits
 
     def _prepare(
         self, chunks: list[SeqChunk]

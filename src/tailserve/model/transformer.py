@@ -128,11 +128,13 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(self._norm(h, self.input_norm), d)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotate together: one rotation over [T, heads + kv_heads, head_dim].
-        q, k = _rotate(qk.view(-1, self.qk_heads, dim), *rope).split([self.num_heads, self.num_kv_heads], 1)
+        rotated = _rotate(qk.view(-1, self.qk_heads, dim), *rope)
+        q, k = torch.split(rotated, [self.num_heads, self.num_kv_heads], 1)
         attn = backend.forward(q, k, v.view(-1, self.num_kv_heads, dim), k_cache, v_cache, meta, self.scale)
         h = h + self.o(attn.reshape(-1, self.q_size), d)
         gate, up = self.gate_up(self._norm(h, self.post_norm), d).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up, d)
+        out: torch.Tensor = h + self.down(F.silu(gate) * up, d)
+        return out
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 residual stream, handed to the linears in the activation dtype."""
@@ -270,7 +272,8 @@ class TransformerLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = layer(h, rope, k_cache, v_cache, meta, backend)
         h = F.rms_norm(h.index_select(0, logits_indices), (h.shape[-1],), self.norm, self.eps)
-        return self.lm_head(h)
+        logits: torch.Tensor = self.lm_head(h)
+        return logits
 
 
 def _dtype(kernel: str) -> torch.dtype:

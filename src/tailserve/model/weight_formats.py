@@ -170,7 +170,9 @@ class PackedInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (bf16, contiguous) @ w.T -> [M, N] bf16."""
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, INT4_GROUP, self.scale_zeros
+        )
         return out if out.shape[-1] == self.out_features else out[:, : self.out_features]
 
 
@@ -198,7 +200,8 @@ class PackedInt8:
     scale: torch.Tensor
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        return out
 
 
 def pack_int8(rows: Int8Rows) -> PackedInt8:
