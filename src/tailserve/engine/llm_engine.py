@@ -15,10 +15,10 @@ import torch
 from tailserve.config import EngineConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.outputs import OutputProcessor
-from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams
+from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams, check_limits
 from tailserve.engine.scheduler import Scheduler, StepPlan
 from tailserve.engine.stats import EngineStats, QueueSnapshot
-from tailserve.errors import ContextLengthExceededError, InvalidRequestError
+from tailserve.errors import InvalidRequestError
 from tailserve.model.builder import build_runner
 from tailserve.model.loader import LoadedModel
 from tailserve.model.runner import SeqChunk
@@ -61,7 +61,8 @@ class LLMEngine:
         """Check the engine's limits, then queue. Raises a typed error, changing nothing, if the request is bad."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        self._check_limits(prompt_token_ids, params)
+        check_limits(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
+        self.scheduler.check_fits_pool(len(prompt_token_ids) + params.max_tokens)
         seed = (
             params.seed
             if params.seed is not None
@@ -78,26 +79,6 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         self._requests[request_id] = req
         self.scheduler.add(req)
-
-    def _check_limits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n, vocab, ctx = len(prompt_token_ids), self.arch.vocab_size, self.max_model_len
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if n >= ctx:
-            raise ContextLengthExceededError(
-                f"the prompt has {n} tokens; this model's context is {ctx} "
-                f"(prompt plus at least one generated token must fit): shorten the prompt",
-                param="prompt",
-            )
-        if n + params.max_tokens > ctx:
-            raise ContextLengthExceededError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                f"{ctx} tokens: lower max_tokens to at most {ctx - n}",
-                param="max_tokens",
-            )
-        self.scheduler.check_fits_pool(n + params.max_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; None if it is unknown or done."""

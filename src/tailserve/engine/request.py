@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,27 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0 means argmax."""
         return self.temperature == 0.0
+
+
+def check_limits(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, context: int) -> None:
+    """The model's limits on a request: a non-empty prompt of known ids that leaves room to generate."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    if n >= context:
+        raise ContextLengthExceededError(
+            f"the prompt has {n} tokens; this model's context is {context} "
+            f"(prompt plus at least one generated token must fit): shorten the prompt",
+            param="prompt",
+        )
+    if n + params.max_tokens > context:
+        raise ContextLengthExceededError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+            f"{context} tokens: lower max_tokens to at most {context - n}",
+            param="max_tokens",
+        )
 
 
 def _finite(x: Any) -> bool:
