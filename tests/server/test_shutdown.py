@@ -65,6 +65,14 @@ def assert_cut_cleanly(raw: bytes) -> None:
     assert raw.endswith(b"0\r\n\r\n"), raw[-50:]  # the chunked body was terminated, not cut
 
 
+def waiting(base: str) -> float:
+    """The engine's queue length, from /metrics."""
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("tailserve_requests_waiting "):
+            return float(line.split()[1])
+    raise AssertionError("no tailserve_requests_waiting in /metrics")
+
+
 def assert_clean_log(server: ServerProcess) -> None:
     log = server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
@@ -77,7 +85,12 @@ def test_drain_deadline_ends_every_open_response_and_the_process_exits() -> None
         for sock in streams:
             read_until(sock, b"data: ")
         plain = open_request(server.base, LONG)
-        time.sleep(0.2)  # let the plain request reach the engine (nothing asserts on it)
+        # The plain request is queued in the engine (4 run at once) before the signal: a fixed sleep
+        # left a busy machine's request still on its way when the drain began.
+        deadline = time.monotonic() + 30
+        while waiting(server.base) < 1:
+            assert time.monotonic() < deadline, "the plain request never reached the engine"
+            time.sleep(0.05)
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0
