@@ -17,15 +17,12 @@ import torch
 from tailserve.errors import ModelLoadError, UnsupportedModelError
 from tailserve.model.arch import ArchConfig, check_weights
 from tailserve.model.gguf_file import GGUFTensor, read_gguf
+from tailserve.model.gguf_tokenizer import TOKEN_TYPE_CONTROL, GGUFTokenizer
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.model.weight_formats import dequantize_tensor
 
 _GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2"}
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-# llama.cpp's pre-tokenizer names -> split regexes (byte-level BPE). Digits-first for SmolLM.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -143,59 +140,19 @@ def _unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _tokenizer(meta: dict[str, Any], path: Path, arch: ArchConfig) -> Tokenizer:
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if meta.get("tokenizer.ggml.model") != "gpt2":
         return _tokenizer_via_transformers(path, arch)
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-    from transformers import PreTrainedTokenizerFast
-
+    bpe = GGUFTokenizer(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     token_types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = RustTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = str(meta.get("tokenizer.ggml.pre", "gpt2"))
-    split = _QWEN2_SPLIT if pre.startswith("qwen") else _GPT2_SPLIT
-    steps: list[Any] = []
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    steps += [
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    backend.decoder = decoders.ByteLevel()
-    special = [tokens[i] for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_CONTROL]
-    user = [tokens[i] for i, kind in enumerate(token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
-
-    def tok(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=tok("bos"),
-        eos_token=tok("eos"),
-        unk_token=tok("unknown"),
-        pad_token=tok("padding"),
-    )
-    hf.add_special_tokens({"additional_special_tokens": special})  # type: ignore[dict-item]
-    if user:
-        hf.add_tokens(user)
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        hf.chat_template = str(template)
+    template = bpe.chat_template or ""
     eos = set(arch.eos_token_ids)
-    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-        if (
-            name in vocab
-            and token_types[vocab[name]] == _TOKEN_TYPE_CONTROL
-            and template
-            and name in str(template)
-        ):
+    # Chat models end a turn with a control token their template writes, often not the file's eos.
+    for name in _TURN_END_TOKENS:
+        if name in vocab and token_types[vocab[name]] == TOKEN_TYPE_CONTROL and name in template:
             eos.add(vocab[name])
-    return Tokenizer(hf, sorted(eos), path.name)
+    return Tokenizer(bpe, sorted(eos), path.name)
 
 
 def _tokenizer_via_transformers(path: Path, arch: ArchConfig) -> Tokenizer:

@@ -1,4 +1,5 @@
-"""Tokenizers (Hugging Face backed, or byte-level for dummy weights) and incremental detokenization.
+"""Tokenizers (GGUF byte-level BPE, Hugging Face, or byte-level for dummy weights) and incremental
+detokenization.
 
 Detokenization never emits half a UTF-8 character: text is released only once it decodes cleanly.
 """
