@@ -225,18 +225,8 @@ def test_short_n_run_counts_its_warm_up_in_requests(
     assert doc["counts"]["warmup"] == 2 and doc["counts"]["measured"] == 18
     first_two = sorted(rows, key=lambda r: r["sent_s"])[:2]
     assert all(r["phase"] == "warmup" for r in first_two)
-    code, text = _main(
-        capsys,
-        tmp_path / "w",
-        "--base-url",
-        fake_server.url,
-        "--rate",
-        "50",
-        "-n",
-        "20",
-        "--warmup-requests",
-        "5",
-    )
+    again = ["--base-url", fake_server.url, "--rate", "50", "-n", "20", "--warmup-requests", "5"]
+    code, text = _main(capsys, tmp_path / "w", *again)
     assert code == 0 and saved(tmp_path / "w")[0]["counts"]["measured"] == 15
 
 
