@@ -20,7 +20,7 @@ import torch
 from gpu.suite import GIB, Plan, Suite, log, ms_stats, sync
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLM, SamplingParams
-from tailserve.model.builder import resolve_dtype
+from tailserve.model.formats import activation_dtype
 from tailserve.model.loader import LoadedModel, load_model
 
 MODES = ("default", "enforce_eager")  # default: CUDA graphs where the engine can; eager runs second
@@ -57,7 +57,7 @@ def section_bandwidth(rec: dict[str, Any], device: torch.device, plan: Plan) -> 
 
 def load_weights(args: argparse.Namespace, device: torch.device) -> LoadedModel:
     """The weights once, on the CPU, shared by both engine builds (each copies them to the device)."""
-    return load_model(args.model, resolve_dtype(args.weight_format, device))
+    return load_model(args.model, activation_dtype(args.weight_format, device))
 
 
 def build_llm(

@@ -64,11 +64,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(weight_format: str, device: torch.device) -> torch.dtype:
-    """Activation dtype of a weight format: fp32 for fp32, bf16 otherwise (model.formats resolves auto)."""
-    return activation_dtype(weight_format, device)
-
-
 def resolve_kv_dtype(kv_cache_dtype: str, activation_dtype: torch.dtype) -> torch.dtype:
     """`auto` keeps the activation dtype; fp32 / bf16 are explicit."""
     return {"auto": activation_dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[kv_cache_dtype]
@@ -89,7 +84,7 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         loaded=loaded,
     )
     weight_format = choice.weight_format
-    dtype = resolve_dtype(weight_format, device)
+    dtype = activation_dtype(weight_format, device)
     if loaded is None:
         loaded = load_model(mc.model, dtype, mc.seed)
     arch = loaded.arch
