@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -47,10 +48,11 @@ def _tailserve() -> list[str]:
 
 @dataclass(frozen=True)
 class Scrapes:
-    """The /metrics pages of the live server and router after one routed request."""
+    """The /metrics pages of the live server and router after one routed request, and its reply."""
 
     server: str
     router: str
+    completion: dict[str, Any]
 
 
 def _wait_ready(process: subprocess.Popen[bytes], base: str, log: Path) -> None:
@@ -94,12 +96,12 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapes]:
         with httpx.Client(timeout=30.0) as client:
             reply = client.post(
                 router_url + "/v1/completions",
-                json={"model": "dummy-tiny", "prompt": "Hello there", "max_tokens": 8},
+                json={"model": "dummy-tiny", "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True},
             )
             assert reply.status_code == 200, reply.text
             pages = [client.get(url + "/metrics") for url in (server_url, router_url)]
         assert all(page.status_code == 200 for page in pages)
-        yield Scrapes(server=pages[0].text, router=pages[1].text)
+        yield Scrapes(server=pages[0].text, router=pages[1].text, completion=reply.json())
     finally:
         for process in reversed(processes):
             process.terminate()
@@ -151,3 +153,36 @@ def test_latency_histograms_observed_the_request_and_resolve_1ms_to_120s(scrapes
         assert min(bounds) <= 0.001 and max(b for b in bounds if b != float("inf")) >= 120, name
     e2e = families["tailserve_e2e_request_latency_seconds"].samples
     assert next(s.value for s in e2e if s.name.endswith("_count")) >= 1
+
+
+def test_step_metrics_count_the_steps_the_request_took(scrapes: Scrapes) -> None:
+    """One request alone on the server after warm-up: one step for its prompt (it fits the step
+    budget) that samples the first token, then one decode-only step per further token."""
+    timings = scrapes.completion["tailserve_timings"]
+    output, computed_prompt = timings["output_tokens"], timings["prompt_tokens"] - timings["cached_tokens"]
+    assert output == 8
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scrapes.server)
+        for s in family.samples
+    }
+
+    def by_kind(sample: str) -> dict[str, float]:
+        return {k: values[(sample, (("kind", k),))] for k in ("decode_only", "mixed", "prefill_only")}
+
+    assert by_kind("tailserve_step_duration_seconds_count") == {
+        "decode_only": output - 1,
+        "mixed": 0,
+        "prefill_only": 1,
+    }
+    assert by_kind("tailserve_step_tokens_sum") == {
+        "decode_only": output - 1,
+        "mixed": 0,
+        "prefill_only": computed_prompt,
+    }
+    paths = {path: values[("tailserve_steps_total", (("path", path),))] for path in ("cuda_graph", "eager")}
+    assert paths == {"cuda_graph": 0, "eager": output}  # CPU: every step eager
+    busy = values[("tailserve_engine_busy_seconds_total", ())]
+    assert busy > 0
+    assert busy == pytest.approx(sum(by_kind("tailserve_step_duration_seconds_sum").values()))
+    assert 0 < values[("tailserve_engine_busy_ratio", ())] <= 1

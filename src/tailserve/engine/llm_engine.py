@@ -7,6 +7,7 @@ the KV cache belongs to the scheduler, stop rules and text to `engine.outputs`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -17,7 +18,7 @@ from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.outputs import OutputProcessor
 from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams, check_limits
 from tailserve.engine.scheduler import Scheduler, StepPlan
-from tailserve.engine.stats import EngineStats, QueueSnapshot
+from tailserve.engine.stats import EngineStats, QueueSnapshot, StepStats, step_kind
 from tailserve.errors import InvalidRequestError
 from tailserve.model.builder import build_runner
 from tailserve.model.loader import LoadedModel
@@ -46,6 +47,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, kv)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_plan: StepPlan | None = None  # for tests and debugging
+        self.step_stats = StepStats(time.monotonic())
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
         self._rng = torch.Generator().manual_seed(config.model.seed)
@@ -99,6 +101,7 @@ class LLMEngine:
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and the model once; return an output per request that advanced."""
+        begin = time.monotonic()
         plan = self.scheduler.step_plan()
         self.last_plan = plan
         if not plan.scheduled:
@@ -122,11 +125,14 @@ class LLMEngine:
                 req.timings.finish = now
                 self._requests.pop(req.request_id, None)
             outputs.append(self.outputs.output(req, [token], finished=reason is not None))
+        kind = step_kind(plan.num_decodes, len(plan.scheduled))
+        self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
         return outputs
 
     # ----- what the server reads -------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        steps = self.step_stats.snapshot(self.runner.num_graph_steps, self.runner.num_eager_steps)
+        return dataclasses.replace(self.scheduler.stats(), steps=steps)
 
     def queue_snapshot(self) -> QueueSnapshot:
         """What admission control needs, taken on the engine thread between steps."""

@@ -1,14 +1,177 @@
-"""Engine counters for metrics, and a step-time model used to predict queue waits.
+"""Engine counters for metrics, per-step metrics, and a step-time model used to predict queue waits.
 
 The model keeps two moving averages, refreshed after every step: the time of a decode-only step
-(the per-step cost that every step pays) and the seconds per token of prompt-heavy steps.
+(the per-step cost that every step pays) and the seconds per token of prompt-heavy steps. Step
+metrics only count what the step loop hands them (host clock reads): nothing here touches a device.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from typing import Any
+
+_MANTISSAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.5)
+# About 10 buckets per decade from 0.1 ms to 120 s: a P99 read from them is off by at most ~25%.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    *(round(m * 10.0**e, 6) for e in range(-4, 2) for m in _MANTISSAS),
+    100.0,
+    120.0,
+)
+TOKEN_BUCKETS: tuple[float, ...] = tuple(
+    float(b * 2**e) for e in range(17) for b in (1, 1.5) if float(b * 2**e).is_integer()
+)
+STEP_KINDS = ("decode_only", "mixed", "prefill_only")
+BUSY_WINDOW_S = 60
+
+
+def step_kind(num_decodes: int, num_entries: int) -> str:
+    """decode_only (every entry feeds back a token), prefill_only (prompt chunks only) or mixed."""
+    if num_decodes == num_entries:
+        return "decode_only"
+    return "prefill_only" if num_decodes == 0 else "mixed"
+
+
+@dataclass(frozen=True)
+class BucketCounts:
+    """A histogram as per-bucket counts (not cumulative; the last bucket is +Inf) and the sum observed."""
+
+    counts: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        """Counts at or below each bound, the Prometheus `_bucket` series."""
+        total, out = 0, []
+        for c in self.counts:
+            total += c
+            out.append(total)
+        return out
+
+    def minus(self, earlier: BucketCounts) -> BucketCounts:
+        return BucketCounts(
+            tuple(a - b for a, b in zip(self.counts, earlier.counts, strict=True)), self.sum - earlier.sum
+        )
+
+
+class _Buckets:
+    """Engine-thread side of a BucketCounts: observe values against fixed upper bounds."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> BucketCounts:
+        return BucketCounts(tuple(self.counts), self.sum)
+
+
+@dataclass(frozen=True)
+class BusySnapshot:
+    """Seconds spent in steps per wall-clock second for the newest seconds; `ratio(now)` reads it."""
+
+    bins: tuple[float, ...] = (0.0,) * (BUSY_WINDOW_S + 1)  # bins[s % len] = busy seconds within second s
+    newest_second: int = 0
+    started: float = 0.0
+
+    def ratio(self, now: float) -> float:
+        """Share of wall time in steps over the last BUSY_WINDOW_S..+1 s (or since start), in [0, 1]."""
+        n = len(self.bins)
+        first = max(math.floor(now) - (n - 1), self.newest_second - (n - 1))
+        busy = sum(self.bins[s % n] for s in range(first, self.newest_second + 1))
+        span = now - max(self.started, float(math.floor(now) - (n - 1)))
+        # Steps never overlap (one engine thread), so busy <= span up to float rounding.
+        return min(busy / span, 1.0) if span > 0 else 0.0
+
+
+class BusyWindow:
+    """Ring of one-second bins of busy time; a step that spans seconds is split between them."""
+
+    def __init__(self, now: float, window_s: int = BUSY_WINDOW_S) -> None:
+        self._bins = [0.0] * (window_s + 1)
+        self._newest = math.floor(now)
+        self.started = now
+
+    def add(self, start: float, end: float) -> None:
+        self._advance(math.floor(end))
+        n = len(self._bins)
+        t = max(start, float(self._newest - (n - 1)))  # older parts left the window already
+        while t < end:
+            second = math.floor(t)
+            upto = min(end, second + 1.0)
+            self._bins[second % n] += upto - t
+            t = upto
+
+    def _advance(self, second: int) -> None:
+        """Make `second` the newest bin, zeroing the seconds skipped since the last step."""
+        n = len(self._bins)
+        for s in range(max(self._newest + 1, second - (n - 1)), second + 1):
+            self._bins[s % n] = 0.0
+        self._newest = max(self._newest, second)
+
+    def snapshot(self) -> BusySnapshot:
+        return BusySnapshot(tuple(self._bins), self._newest, self.started)
+
+
+_EMPTY_DURATIONS = BucketCounts((0,) * (len(LATENCY_BUCKETS_S) + 1), 0.0)
+_EMPTY_TOKENS = BucketCounts((0,) * (len(TOKEN_BUCKETS) + 1), 0.0)
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """Step metrics at one moment: per-kind histograms (in STEP_KINDS order), busy time, graph vs eager."""
+
+    duration_s: tuple[BucketCounts, ...] = (_EMPTY_DURATIONS,) * len(STEP_KINDS)
+    tokens: tuple[BucketCounts, ...] = (_EMPTY_TOKENS,) * len(STEP_KINDS)
+    busy_s_total: float = 0.0
+    busy: BusySnapshot = field(default_factory=BusySnapshot)
+    graph_steps: int = 0  # ModelRunner.num_graph_steps: decode-only steps replayed from a CUDA graph
+    eager_steps: int = 0  # ModelRunner.num_eager_steps
+
+    def minus(self, earlier: StepSnapshot) -> StepSnapshot:
+        """The counters since `earlier` (the busy window is a gauge and stays as it is)."""
+        return StepSnapshot(
+            tuple(a.minus(b) for a, b in zip(self.duration_s, earlier.duration_s, strict=True)),
+            tuple(a.minus(b) for a, b in zip(self.tokens, earlier.tokens, strict=True)),
+            self.busy_s_total - earlier.busy_s_total,
+            self.busy,
+            self.graph_steps - earlier.graph_steps,
+            self.eager_steps - earlier.eager_steps,
+        )
+
+
+class StepStats:
+    """Per-step metrics, recorded by the step loop from one host clock read at each end of a step."""
+
+    def __init__(self, now: float) -> None:
+        self._duration = {kind: _Buckets(LATENCY_BUCKETS_S) for kind in STEP_KINDS}
+        self._tokens = {kind: _Buckets(TOKEN_BUCKETS) for kind in STEP_KINDS}
+        self._busy = BusyWindow(now)
+        self._busy_s_total = 0.0
+
+    def record(self, kind: str, num_tokens: int, start: float, end: float) -> None:
+        self._duration[kind].observe(end - start)
+        self._tokens[kind].observe(num_tokens)
+        self._busy_s_total += end - start
+        self._busy.add(start, end)
+
+    def snapshot(self, graph_steps: int, eager_steps: int) -> StepSnapshot:
+        return StepSnapshot(
+            tuple(self._duration[k].snapshot() for k in STEP_KINDS),
+            tuple(self._tokens[k].snapshot() for k in STEP_KINDS),
+            self._busy_s_total,
+            self._busy.snapshot(),
+            graph_steps,
+            eager_steps,
+        )
 
 
 @dataclass(frozen=True)
@@ -23,6 +186,7 @@ class EngineStats:
     prefix_cache_hits: int
     preemptions_total: int
     steps_total: int
+    steps: StepSnapshot = field(default_factory=StepSnapshot)  # filled in by LLMEngine.stats()
 
     @property
     def kv_usage(self) -> float:

@@ -1,29 +1,32 @@
 """Prometheus metrics of one server (names as in docs/INTERFACES.md), on a per-app CollectorRegistry.
 
 Latency histograms are observed once per finished request from the engine's own timings; engine gauges
-are read at scrape time. Never uses the global registry, so two apps can live in one process.
+and the step histograms (counted by the engine thread, engine/stats.py) are read at scrape time. Never
+uses the global registry, so two apps can live in one process.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from tailserve.engine.request import RequestOutput
-from tailserve.engine.stats import EngineStats
-
-_MANTISSAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.5)
-# About 10 buckets per decade from 0.1 ms to 120 s: a P99 read from them is off by at most ~25%.
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    *(round(m * 10.0**e, 6) for e in range(-4, 2) for m in _MANTISSAS),
-    100.0,
-    120.0,
-)
-TOKEN_BUCKETS: tuple[float, ...] = tuple(
-    float(b * 2**e) for e in range(17) for b in (1, 1.5) if float(b * 2**e).is_integer()
+from tailserve.engine.stats import (
+    LATENCY_BUCKETS_S,
+    STEP_KINDS,
+    TOKEN_BUCKETS,
+    BucketCounts,
+    EngineStats,
+    StepSnapshot,
 )
 
 
@@ -34,10 +37,22 @@ class _CounterBaseline:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions_total: int = 0
+    steps: StepSnapshot = field(default_factory=StepSnapshot)
+
+
+def _histogram(
+    name: str, doc: str, bounds: tuple[float, ...], per_kind: tuple[BucketCounts, ...] | None
+) -> Metric:
+    """A histogram family labelled by step kind, from counts the engine thread kept."""
+    family = HistogramMetricFamily(name, doc, labels=["kind"])
+    for kind, counts in zip(STEP_KINDS, per_kind or (), strict=False):
+        les = [repr(b) for b in bounds] + ["+Inf"]  # as Histogram prints them: 0.0001, 1.0, 120.0
+        family.add_metric([kind], list(zip(les, counts.cumulative(), strict=True)), counts.sum)
+    return family
 
 
 class _EngineCollector:
-    """Reads engine.stats() at scrape time into gauges and counters."""
+    """Reads engine.stats() at scrape time into gauges, counters and the step histograms."""
 
     def __init__(self, stats: Callable[[], EngineStats], is_ready: Callable[[], bool]) -> None:
         self._stats = stats
@@ -64,6 +79,15 @@ class _EngineCollector:
             return family
 
         b = self.baseline
+        steps = s.steps.minus(b.steps) if s else None
+        step_paths = CounterMetricFamily(
+            "tailserve_steps",
+            "Engine steps, by how the model ran: cuda_graph (replayed) or eager.",
+            labels=["path"],
+        )
+        if steps is not None:
+            step_paths.add_metric(["cuda_graph"], steps.graph_steps)
+            step_paths.add_metric(["eager"], steps.eager_steps)
         total = s.kv_blocks_total if s else 0
         used = s.kv_blocks_used if s else 0
         queries = (s.prefix_cache_queries - b.prefix_cache_queries) if s else 0
@@ -101,6 +125,29 @@ class _EngineCollector:
                 "1 when the model is loaded, warmed up and not draining.",
                 1.0 if self._is_ready() else 0.0,
             ),
+            _histogram(
+                "tailserve_step_duration_seconds",
+                "Wall time of one engine step (plan, model, sampling, outputs), by kind.",
+                LATENCY_BUCKETS_S,
+                steps.duration_s if steps else None,
+            ),
+            _histogram(
+                "tailserve_step_tokens",
+                "Tokens computed in one engine step (decodes + prompt chunk tokens), by kind.",
+                TOKEN_BUCKETS,
+                steps.tokens if steps else None,
+            ),
+            counter(
+                "tailserve_engine_busy_seconds",
+                "Seconds the engine spent in steps; rate() is the busy fraction over any window.",
+                steps.busy_s_total if steps else 0.0,
+            ),
+            gauge(
+                "tailserve_engine_busy_ratio",
+                "Share of wall time the engine spent in steps over the last minute (0..1).",
+                steps.busy.ratio(time.monotonic()) if steps else 0.0,
+            ),
+            step_paths,
         ]
 
 
@@ -144,7 +191,7 @@ class ServerMetrics:
         """Start the engine counters from here: what warm-up did is not shown."""
         s = self._stats()
         self._engine.baseline = _CounterBaseline(
-            s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions_total
+            s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions_total, s.steps
         )
 
     def observe_finished(self, out: RequestOutput) -> None:
