@@ -1,4 +1,5 @@
-"""deploy/k8s manifests: probes, scrape annotations, and container args the CLI actually accepts."""
+"""deploy/k8s manifests: probes, scrape annotations, container args the CLI actually accepts, and the
+dcgm-exporter DaemonSet with the counters file and exporter version deploy/dcgm documents."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 
 from tailserve.cli import build_parser
+from tests.deploy.contract import DCGM_COUNTERS, dcgm_exporter_image
 
 yaml = pytest.importorskip("yaml")
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -53,3 +55,52 @@ def test_router_lists_every_replica_by_its_stable_name() -> None:
         for i in range(replicas["spec"]["replicas"])
     ]
     assert args.replica == expected
+
+
+def test_kustomization_applies_every_manifest() -> None:
+    resources = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(resources) == sorted(manifests)
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """`--name=value` / `--name` (a boolean) as the exporter's CLI reads them."""
+    flags = {}
+    for arg in args:
+        assert arg.startswith("--"), arg
+        name, _, value = arg.removeprefix("--").partition("=")
+        flags[name] = value or "true"
+    return flags
+
+
+def test_dcgm_exporter_runs_on_gpu_nodes_with_the_documented_counters_and_is_scraped() -> None:
+    objects = _objects()
+    daemonset = objects[("DaemonSet", "dcgm-exporter")]
+    pod = daemonset["spec"]["template"]
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    spec = pod["spec"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])  # GPU nodes are often tainted
+    (container,) = spec["containers"]
+    assert container["image"] == dcgm_exporter_image()  # the version fields.txt lists the names of
+    flags = _flags(container["args"])
+    port = container["ports"][0]
+    # Scraped the way the replicas are, on the port the exporter listens on.
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port["containerPort"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert flags["address"] == f":{port['containerPort']}"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": port["name"]}
+    # The counters file is the documented one, mounted where --collectors points.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    directory, _, filename = flags["collectors"].rpartition("/")
+    config_map = objects[("ConfigMap", volumes[mounts[directory]["name"]]["configMap"]["name"])]
+    assert config_map["data"][filename] == DCGM_COUNTERS.read_text()
+    # Profiling fields need SYS_ADMIN; GPU-to-pod labels need --kubernetes and the kubelet's pod resources.
+    assert "SYS_ADMIN" in container["securityContext"]["capabilities"]["add"]
+    assert flags["kubernetes"] == "true"
+    resources = mounts["/var/lib/kubelet/pod-resources"]
+    assert volumes[resources["name"]]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    assert int(flags["collect-interval"]) <= 5000  # ms: no coarser than the 5 s scrape interval
