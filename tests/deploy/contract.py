@@ -1,5 +1,6 @@
-"""Helpers for the monitoring tests: the metric contract from docs/INTERFACES.md, and the metric
-names our alert rules and dashboard query. Parsing only; no network, no promtool.
+"""Helpers for the monitoring tests: the metric contract from docs/INTERFACES.md, the DCGM field
+names of the pinned dcgm-exporter (deploy/dcgm), and the metric names our alert rules and dashboard
+query. Parsing only; no network, no promtool.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 INTERFACES = REPO / "docs" / "INTERFACES.md"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboard.json"
+DCGM_FIELDS = REPO / "deploy" / "dcgm" / "fields.txt"
+DCGM_COUNTERS = REPO / "deploy" / "dcgm" / "counters.csv"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 PROMETHEUS_BUILTINS = frozenset({"up"})
 
@@ -66,10 +69,45 @@ def contract() -> dict[str, ContractMetric]:
     return {m.name: m for m in server_metrics(text) + router_metrics(text)}
 
 
+def _dcgm_header(key: str) -> str:
+    """The value of the one-line `# key: value` entry of fields.txt's header."""
+    match = re.search(rf"^# {key}: (.+)$", DCGM_FIELDS.read_text(), re.M)
+    assert match, f"{DCGM_FIELDS} has no {key!r} line"
+    return match.group(1).strip()
+
+
+def dcgm_field_names() -> frozenset[str]:
+    """Every field name the pinned dcgm-exporter accepts (deploy/dcgm/fields.txt)."""
+    lines = DCGM_FIELDS.read_text().splitlines()
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+def dcgm_labels() -> frozenset[str]:
+    """Labels the exporter puts on its series, as fields.txt lists them."""
+    return frozenset(_dcgm_header("labels").split())
+
+
+def dcgm_exporter_image() -> str:
+    """The exporter image the field list came from."""
+    return _dcgm_header("image")
+
+
+def dcgm_counters() -> dict[str, str]:
+    """Field -> Prometheus type of each line of the counters file, parsed as the exporter's CSV reader does."""
+    fields: dict[str, str] = {}
+    for line in DCGM_COUNTERS.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        cells = [cell.strip() for cell in line.split(",")]
+        assert len(cells) == 3, f"counters.csv: not 3 fields: {line!r}"
+        fields[cells[0]] = cells[1]
+    return fields
+
+
 def promql_names(expr: str) -> set[str]:
-    """Metric names an expression selects (tailserve_* and Prometheus' own `up`)."""
+    """Metric names an expression selects (tailserve_*, DCGM_* and Prometheus' own `up`)."""
     without_strings = re.sub(r'"[^"]*"', '""', expr)  # label values such as "tailserve.*" are not names
-    names = set(re.findall(r"\b(tailserve_[a-z0-9_]+)\b", without_strings))
+    names = set(re.findall(r"\b(tailserve_[a-z0-9_]+|DCGM_[A-Z0-9_]+)\b", without_strings))
     names |= {n for n in PROMETHEUS_BUILTINS if re.search(rf"\b{n}\s*(\{{|==|\[|\)|$)", without_strings)}
     return names
 

@@ -1,5 +1,6 @@
-"""Monitoring kit: promtool validates and unit-tests the alert rules and config, and every metric
-the rules and dashboard query is part of the contract in docs/INTERFACES.md.
+"""Monitoring kit: promtool validates and unit-tests the alert rules and config; every tailserve
+metric the rules and dashboard query is part of the contract in docs/INTERFACES.md, and every DCGM
+one is a documented field of the pinned dcgm-exporter that our counters file turns on.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tests.deploy.contract import (
@@ -20,6 +22,9 @@ from tests.deploy.contract import (
     alert_exprs,
     contract,
     dashboard_exprs,
+    dcgm_counters,
+    dcgm_field_names,
+    dcgm_labels,
     referenced_names,
 )
 
@@ -58,6 +63,7 @@ def test_promtool_check_config() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     config = (PROM_DIR / "prometheus.yml").read_text()
     assert "job_name: tailserve-server" in config and "job_name: tailserve-router" in config
+    assert "job_name: dcgm-exporter" in config
 
 
 def test_alerts_cover_the_slo_at_one_and_a_half_times_target() -> None:
@@ -76,18 +82,53 @@ def test_alerts_cover_the_slo_at_one_and_a_half_times_target() -> None:
 def test_rules_and_dashboard_only_use_contract_metrics() -> None:
     known = contract()
     assert len(known) >= 20, "the INTERFACES.md metric table was not parsed"
-    unknown = referenced_names() - set(known) - PROMETHEUS_BUILTINS
+    dcgm = {name for name in referenced_names() if name.startswith("DCGM_")}
+    unknown = referenced_names() - set(known) - PROMETHEUS_BUILTINS - dcgm
     assert unknown == set(), f"not in docs/INTERFACES.md: {sorted(unknown)}"
+    assert {"DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_EXP_CLOCK_EVENTS_COUNT"} <= dcgm
+    assert dcgm - dcgm_field_names() == set(), (
+        "not a field of the pinned dcgm-exporter (deploy/dcgm/fields.txt)"
+    )
+    assert dcgm - set(dcgm_counters()) == set(), "queried but not turned on in deploy/dcgm/counters.csv"
+
+
+def test_counters_file_enables_the_issue_fields_with_valid_types() -> None:
+    counters = dcgm_counters()
+    assert set(counters) - dcgm_field_names() == set()
+    assert set(counters.values()) <= {"gauge", "counter", "histogram", "summary", "label"}
+    for field in (
+        "DCGM_FI_PROF_SM_OCCUPANCY",
+        "DCGM_FI_PROF_SM_ACTIVE",
+        "DCGM_FI_PROF_PCIE_TX_BYTES",
+        "DCGM_FI_PROF_PCIE_RX_BYTES",
+        "DCGM_FI_DEV_SM_CLOCK",
+        "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",  # DCGM_FI_DEV_CLOCK_THROTTLE_REASONS before DCGM 3.3
+        "DCGM_FI_DEV_GPU_TEMP",
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+        "DCGM_FI_DEV_FB_USED",
+    ):
+        assert field in counters, field
+    assert counters["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"] == "counter"
 
 
 def test_rules_and_dashboard_only_use_contract_labels() -> None:
-    allowed = {"job", "instance", "le"} | {label for m in contract().values() for label in m.labels}
+    # namespace/pod join a replica and its GPU (prometheus.yml, the Kubernetes scrape job).
+    allowed = {"job", "instance", "le", "namespace", "pod"} | dcgm_labels()
+    allowed |= {label for m in contract().values() for label in m.labels}
     used: set[str] = set()
     for expr in alert_exprs() + dashboard_exprs():
-        for group in re.findall(r"\bby \(([^)]*)\)", expr):
-            used |= {label.strip() for label in group.split(",")}
-        used |= set(re.findall(r"[{,]\s*([a-z_]+)\s*(?:=~|!=|!~|=)", expr))
+        for group in re.findall(r"\b(?:by|on|ignoring|group_left|group_right) \(([^)]*)\)", expr):
+            used |= {label.strip() for label in group.split(",") if label.strip()}
+        used |= set(re.findall(r"[{,]\s*([A-Za-z_]+)\s*(?:=~|!=|!~|=)", expr))
     assert used - allowed == set()
+
+
+def test_every_alert_has_a_unit_test_that_fires_it() -> None:
+    rules = yaml.safe_load(ALERTS.read_text())
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"] if "alert" in rule}
+    tests = yaml.safe_load((PROM_DIR / "alerts_test.yml").read_text())["tests"]
+    fired = {case["alertname"] for test in tests for case in test["alert_rule_test"] if case["exp_alerts"]}
+    assert alerts - fired == set()
 
 
 def test_dashboard_shows_p50_p95_p99_of_each_latency_and_the_operational_panels() -> None:
@@ -110,6 +151,37 @@ def test_dashboard_shows_p50_p95_p99_of_each_latency_and_the_operational_panels(
         assert metric in exprs
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_gpu_row_sits_right_below_the_latency_panels() -> None:
+    """SM occupancy, clocks and throttle reasons directly under the P99 panels, so a spike lines up by eye."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    latency = [
+        p for p in panels if any(m in t["expr"] for t in p.get("targets", []) for m in LATENCY_HISTOGRAMS)
+    ]
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in latency)
+    rows = sorted((p for p in panels if p["type"] == "row"), key=lambda p: p["gridPos"]["y"])
+    gpu_row = next(r for r in rows if r["gridPos"]["y"] >= bottom)
+    assert gpu_row["title"].startswith("GPU") and gpu_row["gridPos"]["y"] == bottom
+    end = next((r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > bottom), 10**6)
+    gpu_exprs = " ".join(
+        t["expr"] for p in panels if bottom < p["gridPos"]["y"] < end for t in p.get("targets", [])
+    )
+    for field in (
+        "DCGM_FI_PROF_SM_OCCUPANCY",
+        "DCGM_FI_PROF_SM_ACTIVE",
+        "DCGM_FI_DEV_SM_CLOCK",
+        "DCGM_EXP_CLOCK_EVENTS_COUNT",
+    ):
+        assert field in gpu_exprs, field
+    assert "tailserve_engine_busy_ratio" in gpu_exprs  # engine busy beside SM activity: starved or saturated
+    exprs = " ".join(dashboard_exprs())
+    for metric in (
+        "tailserve_step_duration_seconds_bucket",
+        "tailserve_step_tokens_bucket",
+        "tailserve_steps_total",
+    ):
+        assert metric in exprs
 
 
 @needs_promtool

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.contract import PROMETHEUS_BUILTINS, REPO, contract, referenced_names
+from tests.deploy.contract import PROMETHEUS_BUILTINS, REPO, contract, dcgm_field_names, referenced_names
 
 PROMTOOL = shutil.which("promtool")
 READY_TIMEOUT_S = 120.0  # a start-up deadline, not a performance assertion
@@ -136,8 +136,13 @@ def test_live_metrics_pass_promtool(scrapes: Scrapes, target: str) -> None:
 
 
 def test_every_metric_the_rules_and_dashboard_query_is_exposed(scrapes: Scrapes) -> None:
+    """tailserve metrics on the live server or router; DCGM series (no GPU here) among the field names
+    of the pinned dcgm-exporter."""
     exposed = set(exposed_names(scrapes.server)) | set(exposed_names(scrapes.router)) | PROMETHEUS_BUILTINS
-    assert referenced_names() - exposed == set()
+    dcgm = {name for name in referenced_names() if name.startswith("DCGM_")}
+    assert dcgm, "the GPU row and alerts query no DCGM field"
+    assert referenced_names() - dcgm - exposed == set()
+    assert dcgm - dcgm_field_names() == set()
 
 
 def test_the_whole_contract_is_exposed_with_its_types(scrapes: Scrapes) -> None:
