@@ -87,6 +87,11 @@ def dcgm_labels() -> frozenset[str]:
     return frozenset(_dcgm_header("labels").split())
 
 
+def dcgm_clock_events() -> frozenset[str]:
+    """The clock_event label values of DCGM_EXP_CLOCK_EVENTS_COUNT."""
+    return frozenset(_dcgm_header("clock_events").split())
+
+
 def dcgm_exporter_image() -> str:
     """The exporter image the field list came from."""
     return _dcgm_header("image")

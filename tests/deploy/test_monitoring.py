@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tailserve.plan.doctor import CLOCK_EVENT_LABELS, DCGM_WATCH
 from tests.deploy.contract import (
     ALERTS,
     DASHBOARD,
@@ -22,6 +23,7 @@ from tests.deploy.contract import (
     alert_exprs,
     contract,
     dashboard_exprs,
+    dcgm_clock_events,
     dcgm_counters,
     dcgm_field_names,
     dcgm_labels,
@@ -109,6 +111,20 @@ def test_counters_file_enables_the_issue_fields_with_valid_types() -> None:
     ):
         assert field in counters, field
     assert counters["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"] == "counter"
+
+
+def test_doctor_and_rules_speak_the_exporters_language() -> None:
+    """`tailserve doctor` names fields the exporter has and our counters file turns on, and spells
+    throttle reasons as its clock_event label does; so do the rules and panels."""
+    named = {re.match(r"DCGM_[A-Z0-9_]+", f).group(0) for fields in DCGM_WATCH.values() for f in fields}  # type: ignore[union-attr]
+    assert named - dcgm_field_names() == set()
+    assert named - set(dcgm_counters()) == set()
+    assert set(CLOCK_EVENT_LABELS.values()) == dcgm_clock_events()
+    used = set()
+    for expr in alert_exprs() + dashboard_exprs():
+        for values in re.findall(r'clock_event!?=~?"([^"]*)"', expr):
+            used |= set(values.split("|"))
+    assert used and used - dcgm_clock_events() == set()
 
 
 def test_rules_and_dashboard_only_use_contract_labels() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tailserve.plan.doctor import diagnose, render_text, run_doctor, to_json_dict
-from tailserve.plan.probe import HostView, parse_cpulist, probe_gpus, read_host
+from tailserve.plan.doctor import CLOCK_EVENT_LABELS, diagnose, render_text, run_doctor, to_json_dict
+from tailserve.plan.probe import THROTTLE_REASONS, HostView, parse_cpulist, probe_gpus, read_host
 
 
 class NVMLError(Exception):
@@ -136,6 +136,24 @@ def test_every_misconfiguration_is_reported_with_cost_and_action() -> None:
         if finding.severity != "ok":
             assert finding.tail_cost and finding.action and finding.action != "none", finding
     assert report.findings[0].severity == "critical"  # most severe first
+
+
+def test_gpu_findings_name_the_dcgm_series_that_watch_them() -> None:
+    host = misconfigured_host()
+    report = diagnose(host, probe_gpus(FakeNvml(), host, Path("/nonexistent")))
+    gpu0 = {f.check: f for f in report.findings if f.subject == "gpu0"}
+    # NVML said sw_power_cap; the exporter's per-reason series calls it power_cap.
+    assert 'DCGM_EXP_CLOCK_EVENTS_COUNT{clock_event=~"power_cap"}' in gpu0["clocks"].watch
+    assert "DCGM_FI_DEV_SM_CLOCK" in gpu0["clocks"].watch
+    assert gpu0["ecc"].watch[0] == "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
+    assert "DCGM_FI_PROF_PCIE_TX_BYTES" in gpu0["pcie"].watch
+    assert gpu0["numa"].watch == ()
+    healthy = next(f for f in report.findings if f.subject == "gpu1" and f.check == "clocks")
+    assert "DCGM_EXP_CLOCK_EVENTS_COUNT" in healthy.watch  # no reason: the whole series
+    text = render_text(report)
+    assert "watch (dcgm-exporter): DCGM_FI_DEV_SM_CLOCK, DCGM_FI_DEV_MAX_SM_CLOCK" in text
+    assert next(f for f in to_json_dict(report)["findings"] if f["check"] == "ecc")["watch"]
+    assert set(CLOCK_EVENT_LABELS) == set(THROTTLE_REASONS.values())
 
 
 def test_healthy_gpu_is_ok_and_unsupported_queries_are_skipped() -> None:

@@ -1,13 +1,17 @@
 """`tailserve doctor`: judges what probe.py read and says what each setting costs the tail.
 
 Read-only by construction: it only consumes HostView / GpuView snapshots and prints advice;
-changing a setting is left to the operator (every finding names the command).
+changing a setting is left to the operator (every finding names the command). GPU findings also name
+the dcgm-exporter series that show the same thing over time (deploy/dcgm), so a one-off check and the
+dashboards speak the same language.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tailserve.plan.probe import GpuView, HostView, NvmlProbe, import_nvml, probe_gpus, read_host
@@ -16,6 +20,40 @@ SEVERITY_ORDER = ("critical", "warn", "info", "ok")
 LOW_CLOCK_RATIO = 0.5  # below half the max clock, a busy GPU is being held back
 SLOWDOWN_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
+)
+# The dcgm-exporter fields (deploy/dcgm/counters.csv turns them on) that watch each GPU check.
+DCGM_WATCH: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "clocks": (
+            "DCGM_FI_DEV_SM_CLOCK",
+            "DCGM_FI_DEV_MAX_SM_CLOCK",
+            "DCGM_FI_DEV_MEM_CLOCK",
+            "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+            "DCGM_EXP_CLOCK_EVENTS_COUNT",
+            "DCGM_FI_DEV_GPU_TEMP",
+        ),
+        "ecc": ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"),
+        "pcie": (
+            "DCGM_FI_PROF_PCIE_TX_BYTES",
+            "DCGM_FI_PROF_PCIE_RX_BYTES",
+            "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+        ),
+        "mig": ("DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_DEV_FB_USED"),
+    }
+)
+# NVML's reason names (probe.THROTTLE_REASONS) as the exporter's clock_event label spells them.
+CLOCK_EVENT_LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        "gpu_idle": "gpu_idle",
+        "applications_clocks_setting": "clocks_setting",
+        "sw_power_cap": "power_cap",
+        "hw_slowdown": "hw_slowdown",
+        "sync_boost": "sync_boost",
+        "sw_thermal_slowdown": "sw_thermal",
+        "hw_thermal_slowdown": "hw_thermal",
+        "hw_power_brake_slowdown": "hw_power_brake",
+        "display_clock_setting": "display_clocks",
+    }
 )
 
 
@@ -29,6 +67,7 @@ class Finding:
     observed: str
     tail_cost: str
     action: str
+    watch: tuple[str, ...] = ()  # dcgm-exporter series that show this over time
 
 
 @dataclass(frozen=True)
@@ -49,6 +88,16 @@ def _cpus(cpus: frozenset[int]) -> str:
         else:
             runs.append([cpu, cpu])
     return ",".join(f"{first}-{last}" if first != last else str(first) for first, last in runs) or "none"
+
+
+def dcgm_watch(check: str, gpu: GpuView) -> tuple[str, ...]:
+    """The dcgm-exporter series for a GPU check; the clock events narrowed to the reasons NVML gave."""
+    fields = DCGM_WATCH.get(check, ())
+    events = [CLOCK_EVENT_LABELS[r] for r in gpu.throttle_reasons or () if r in CLOCK_EVENT_LABELS]
+    if check != "clocks" or not events:
+        return fields
+    selector = f'{{clock_event=~"{"|".join(events)}"}}'
+    return tuple(f + selector if f == "DCGM_EXP_CLOCK_EVENTS_COUNT" else f for f in fields)
 
 
 def check_gpu_presence(host: HostView, nvml: NvmlProbe) -> Finding:
@@ -315,7 +364,7 @@ def diagnose(host: HostView, nvml: NvmlProbe) -> DoctorReport:
             check_pcie(gpu),
             check_numa(gpu, host),
         )
-        findings.extend(f for f in gpu_checks if f is not None)
+        findings.extend(replace(f, watch=dcgm_watch(f.check, gpu)) for f in gpu_checks if f is not None)
     findings += [check_mps(host), check_launch_blocking(host), check_governor(host)]
     findings.sort(key=lambda f: SEVERITY_ORDER.index(f.severity))
     return DoctorReport(host, nvml, tuple(findings))
@@ -347,6 +396,8 @@ def render_text(report: DoctorReport) -> str:
         if f.severity != "ok":
             lines.append(f"{'':17}tail cost: {f.tail_cost}")
             lines.append(f"{'':17}do: {f.action}")
+            if f.watch:
+                lines.append(f"{'':17}watch (dcgm-exporter): {', '.join(f.watch)}")
     return "\n".join(lines)
 
 
