@@ -124,15 +124,18 @@ def test_fused_layer_equals_separate_layers(decode: str) -> None:
 def test_decode_rows_take_the_decode_kernel_and_ignore_their_neighbours() -> None:
     t = _blocks("Q4_1", 80, 160, seed=5)
     layer = Linear(WeightSource(dequantize_tensor(t), int4_from_blocks(t)), None, "int4", "bf16")
-    x = torch.randn(9, 160, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     mixed = layer(x, 3)
-    assert layer.int4 is not None
-    assert torch.equal(mixed[:3], layer.int4.matmul(x[:3].contiguous()))
+    assert torch.equal(mixed[:3], layer.decode_matmul(x[:3].contiguous()))
     assert torch.equal(mixed[3:], torch.nn.functional.linear(x[3:], layer.weight))
-    # A decode row's result is the same alone or among 1..8 other decodes.
-    alone = layer(x[:1], 1)
-    for rows in range(2, 10):
-        assert torch.equal(layer(x[:rows], rows)[:1], alone)
+    # A decode row's result is the same alone or among up to 39 other decodes (the AMX kernel
+    # takes rows 16 at a time: a row in the second or third block must not notice either).
+    alone = [layer(x[i : i + 1], 1) for i in (0, 17, 39)]
+    for rows in (2, 9, 16, 17, 18, 31, 33, 40):
+        out = layer(x[:rows], rows)
+        for i, want in zip((0, 17, 39), alone, strict=True):
+            if i < rows:
+                assert torch.equal(out[i : i + 1], want), (rows, i)
 
 
 def test_real_model_int4_groups_are_exactly_its_weights(smol: LoadedModel) -> None:
@@ -151,8 +154,7 @@ def test_dense_decode_threshold_is_opt_in_and_batch_dependent() -> None:
     source = WeightSource(dequantize_tensor(t), int4_from_blocks(t))
     layer = Linear(source, None, "int4", "bf16", dense_decode_from_rows=4)
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    assert layer.int4 is not None
-    assert torch.equal(layer(x, 3)[:3], layer.int4.matmul(x[:3].contiguous()))  # under the threshold
+    assert torch.equal(layer(x, 3)[:3], layer.decode_matmul(x[:3].contiguous()))  # under the threshold
     assert torch.equal(layer(x, 4), torch.nn.functional.linear(x, layer.weight))  # at it: all dense
     assert Linear(source, None, "int4", "bf16").dense_decode_from_rows is None  # never by default
 

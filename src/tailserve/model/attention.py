@@ -98,7 +98,7 @@ class TorchPagedAttention:
             out[:d] = self._decode(q[:d], k_cache, v_cache, meta, scale)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(
+            out[rows] = self.prefill_span(
                 q[rows], k[rows], v[rows], k_cache, v_cache, span, meta.block_size, scale
             )
         return out
@@ -127,7 +127,7 @@ class TorchPagedAttention:
         return out.view(num_seqs, heads, dim)
 
     @staticmethod
-    def _prefill(
+    def prefill_span(
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,

@@ -12,9 +12,15 @@ import logging
 import torch
 
 from tailserve.errors import ConfigError
+from tailserve.model import cpu_kernels
 from tailserve.model.loader import LoadedModel
 from tailserve.model.transformer import FormatPlan, TransformerLM
-from tailserve.model.weight_formats import Int4Groups, dequantize_tensor, int4_from_blocks
+from tailserve.model.weight_formats import (
+    Int4Groups,
+    dequantize_tensor,
+    int4_from_blocks,
+    int8_groups_from_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +31,9 @@ PLANS = {
     # Decode rows on the weight-only int kernels, prompt rows on bf16 GEMMs (faster from ~16 rows).
     # The head is bf16 (it shares the embedding table): int8 is faster for 1-4 rows but 1.8x slower
     # at 16, and 4 bits there cost far more quality than they save (docs/ENGINE.md, CPU fast path).
-    "int4": FormatPlan(decode="int4", prefill="bf16", head="bf16"),
+    # With the fused CPU kernels' AMX matmuls the head is q8: the file's Q8_0 groups, float32 sums
+    # (bf16 where AMX is missing; see plan_for).
+    "int4": FormatPlan(decode="int4", prefill="bf16", head="q8"),
     "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
 }
 
@@ -53,7 +61,10 @@ def plan_for(
     many decodes through the prefill kernel (bf16): faster at large batches, see docs/ENGINE.md.
     """
     plan = PLANS[resolve_format(weight_format, device)]
-    return FormatPlan(plan.decode, plan.prefill, head or plan.head, dense_decode_from_rows)
+    head = head or plan.head
+    if head == "q8" and (device.type != "cpu" or cpu_kernels.amx() is None):
+        head = "bf16"
+    return FormatPlan(plan.decode, plan.prefill, head, dense_decode_from_rows)
 
 
 def activation_dtype(weight_format: str, device: torch.device) -> torch.dtype:
@@ -80,12 +91,19 @@ def build_model(
                 int4[name] = groups
     head_name = "lm_head.weight" if "lm_head.weight" in loaded.weights else "model.embed_tokens.weight"
     head_weight = None
-    if plan.head != "bf16" and head_name in blocks and loaded.weights[head_name].dtype != torch.float32:
+    head_int8 = (
+        int8_groups_from_blocks(blocks[head_name]) if plan.head == "q8" and head_name in blocks else None
+    )
+    if (
+        plan.head not in ("bf16", "q8")
+        and head_name in blocks
+        and loaded.weights[head_name].dtype != torch.float32
+    ):
         # fp32 and 8/4-bit heads start from the file's exact values, not a bf16 copy of them.
         head_weight = dequantize_tensor(blocks[head_name])
     weights = loaded.weights
     if plan.activation_dtype == torch.float32 and any(w.dtype != torch.float32 for w in weights.values()):
         log.warning("fp32 format over weights loaded in a lower precision: upcast, not re-read")
         weights = {k: w.float() for k, w in weights.items()}
-    model = TransformerLM(loaded.arch, weights, max_positions, plan, int4, head_weight)
+    model = TransformerLM(loaded.arch, weights, max_positions, plan, int4, head_weight, head_int8)
     return model.to(device)

@@ -13,13 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tailserve.model import cpu_kernels
 from tailserve.model.weight_formats import (
+    AmxInt4,
     Int4Groups,
     PackedInt4,
     PackedInt8,
     concat_int4,
     int4_from_float,
     int8_from_float,
+    pack_amx_int4,
     pack_int4,
     pack_int8,
 )
@@ -70,7 +73,15 @@ class Linear(nn.Module):
         self.activation_dtype = _DENSE_DTYPES[prefill]  # bf16 unless everything is fp32
         # The dense copy serves prefill rows (and decode rows when decode is dense too).
         self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
-        self.int4: PackedInt4 | None = pack_int4(source.int4_groups()) if decode == "int4" else None
+        # int4 runs on the fused kernels' AMX matmul where it can (exact to the groups' float32
+        # scales), else on torch's int4 kernel (scales rounded to bf16). One of the two is kept.
+        self.amx4: AmxInt4 | None = None
+        self.int4: PackedInt4 | None = None
+        if decode == "int4":
+            groups = source.int4_groups()
+            lib = cpu_kernels.amx()
+            self.amx4 = None if lib is None else pack_amx_int4(groups, lib, bias)
+            self.int4 = pack_int4(groups) if self.amx4 is None else None
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
         self.bias = (
             None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
@@ -82,23 +93,31 @@ class Linear(nn.Module):
         if self.decode_kernel == self.prefill_kernel or num_decodes == 0 or dense_decodes:
             return F.linear(x, self.weight, self.bias)
         if num_decodes >= x.shape[0]:
-            return self._decode(x)
-        return torch.cat([self._decode(x[:num_decodes]), F.linear(x[num_decodes:], self.weight, self.bias)])
+            return self.decode_matmul(x)
+        return torch.cat(
+            [self.decode_matmul(x[:num_decodes]), F.linear(x[num_decodes:], self.weight, self.bias)]
+        )
 
-    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+    def decode_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] contiguous through the decode kernel alone (what every decode row runs)."""
+        if self.amx4 is not None:
+            return self.amx4.matmul(x)
         packed = self.int4 if self.int4 is not None else self.int8
         assert packed is not None
         out = packed.matmul(x)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}->{self.out_features}, decode={self.decode_kernel}, prefill={self.prefill_kernel}"
+        amx = " (AMX)" if self.amx4 is not None else ""
+        return f"{self.in_features}->{self.out_features}, decode={self.decode_kernel}{amx}, prefill={self.prefill_kernel}"
 
     def weight_bytes(self) -> int:
         """Bytes of every stored form of the weight (for the load log)."""
         kept: list[torch.Tensor] = [self.weight]
         if self.int4 is not None:
             kept += [self.int4.packed, self.int4.scale_zeros]
+        if self.amx4 is not None:
+            kept += [self.amx4.packed, self.amx4.scale, self.amx4.shifted_min]
         if self.int8 is not None:
             kept += [self.int8.codes, self.int8.scale]
         return sum(t.numel() * t.element_size() for t in kept)

@@ -22,6 +22,7 @@ import torch
 
 import tailserve
 from tailserve.errors import ConfigError
+from tailserve.model import cpu_kernels
 from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.quality import Agreement, EvalPlan, HeldOutText, ModelTrace, compare, trace_model
 from tailserve.model.quality_cache import GateCache, fingerprint
@@ -263,6 +264,12 @@ class QualityGate:
             "weight_format": weight_format,
             "kernels": _kernels(weight_format, self.device),  # a format whose kernel plan changes re-measures
             "kv_cache_dtype": kv,
+            # the fused CPU kernels serve every CPU format but fp32: a rebuilt kernel re-measures
+            "cpu_kernels": (
+                cpu_kernels.identity()
+                if self.device.type == "cpu" and weight_format not in ("reference", "fp32")
+                else "n/a"
+            ),
             "plan": dataclasses.asdict(self.plan),
         }
         if weight_format != "reference":  # the reference trace does not depend on the thresholds

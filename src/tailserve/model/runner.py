@@ -57,6 +57,7 @@ class ModelRunner:
         device: torch.device,
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -70,6 +71,10 @@ class ModelRunner:
         shape = (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(arch.num_layers)]
+        # On CPU with the torch backend, bf16 models run their layers through the fused kernels
+        # (model.cpu_fused) where they build; `cpu_kernels=False` keeps the op-by-op torch path.
+        if cpu_kernels and self.backend.name == "torch":
+            model.use_cpu_kernels(dtype)
         self.decode_graphs: DecodeGraphRunner | None = None
         self.use_decode_graphs = False  # the explicit switch: decode-only steps replay CUDA graphs
         self.num_graph_steps = 0

@@ -10,26 +10,35 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tailserve.errors import UnsupportedModelError
+from tailserve.model import cpu_kernels
 from tailserve.model.arch import ArchConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
 from tailserve.model.linear import Linear, WeightSource, fuse
 from tailserve.model.weight_formats import (
+    AmxInt8,
     Int4Groups,
+    Int8Groups,
     PackedInt4,
     PackedInt8,
     int4_from_float,
     int8_from_float,
+    int8_groups_from_float,
+    pack_amx_int8,
     pack_int4,
     pack_int8,
 )
 
-HEAD_KERNELS = ("fp32", "bf16", "int8", "int4")
+if TYPE_CHECKING:
+    from tailserve.model.cpu_fused import FusedCpuForward
+
+HEAD_KERNELS = ("fp32", "bf16", "int8", "int4", "q8")
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,7 @@ class FormatPlan:
 
     decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
     prefill: str  # layer linears on prefill rows: fp32 or bf16 (bf16 unless everything is fp32)
-    head: str  # the LM head, every sampled row: fp32, bf16, int8 (int4 offered, hurts quality)
+    head: str  # the LM head, every sampled row: fp32, bf16, int8, q8 (int4 offered, hurts quality)
     # Opt-in, never a default: steps with at least this many decode rows run them on the prefill
     # kernel (bf16 beats int4 from ~16 rows). A request's tokens then depend on the batch it is in.
     dense_decode_from_rows: int | None = None
@@ -155,11 +164,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 
 class LMHead(nn.Module):
-    """The output projection on its own kernel (fp32, bf16, int8 or int4); returns float32 logits.
+    """The output projection on its own kernel (fp32, bf16, int8, int4 or q8); returns float32 logits.
 
     The 16-bit and int kernels round their output to bf16: at logits around 25 that is a step of
     0.125, enough to tie or swap the two best tokens. So the `REFINE_TOP` best of every row are
     re-scored in float32 from the bf16 weight rows (`refine_with`), a few thousand multiply-adds.
+    `q8` (int8 codes, a float32 scale per 32 inputs: GGUF Q8_0 exactly) runs on the fused CPU
+    kernels' AMX matmul, which sums and returns float32: nothing to re-score.
     """
 
     REFINE_TOP = 16
@@ -170,6 +181,7 @@ class LMHead(nn.Module):
         kernel: str,
         int4: Int4Groups | None = None,
         refine_with: torch.Tensor | None = None,
+        int8_groups: Int8Groups | None = None,
     ) -> None:
         super().__init__()
         if kernel not in HEAD_KERNELS:
@@ -177,7 +189,15 @@ class LMHead(nn.Module):
         self.kernel = kernel
         self.weight: nn.Parameter | None = None
         self.packed: PackedInt4 | PackedInt8 | None = None
-        if kernel in ("fp32", "bf16"):
+        self.amx8: AmxInt8 | None = None
+        if kernel == "q8":
+            lib = cpu_kernels.amx()
+            groups = int8_groups if int8_groups is not None else int8_groups_from_float(weight)
+            if lib is None:
+                raise ValueError("the q8 LM head needs the fused CPU kernels with AMX")
+            self.amx8 = pack_amx_int8(groups, lib)
+            refine_with = None
+        elif kernel in ("fp32", "bf16"):
             dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
             self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         elif kernel == "int8":
@@ -186,9 +206,11 @@ class LMHead(nn.Module):
             self.packed = pack_int4(int4 if int4 is not None else int4_from_float(weight))
         if kernel == "bf16" and refine_with is None:
             refine_with = self.weight
-        self.refine_with = None if kernel == "fp32" else refine_with
+        self.refine_with = None if kernel in ("fp32", "q8") else refine_with
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.amx8 is not None:
+            return self.amx8.matmul(h.to(torch.bfloat16).contiguous())
         if self.weight is not None:
             logits = F.linear(h.to(self.weight.dtype), self.weight).float()
         else:
@@ -207,7 +229,8 @@ class TransformerLM(nn.Module):
 
     `plan` None keeps the weights' own dtype everywhere (fp32 weights: the exact reference path).
     `int4` holds exact int4 groups by HF name (from the file's Q4 blocks); others are re-quantized.
-    `head_weight` overrides the LM head's source (e.g. float32 decoded straight from Q8_0 blocks).
+    `head_weight` overrides the LM head's source (e.g. float32 decoded straight from Q8_0 blocks);
+    `head_int8` gives a q8 head the file's own Q8_0 groups.
     """
 
     cos_table: torch.Tensor
@@ -221,6 +244,7 @@ class TransformerLM(nn.Module):
         plan: FormatPlan | None = None,
         int4: Mapping[str, Int4Groups] | None = None,
         head_weight: torch.Tensor | None = None,
+        head_int8: Int8Groups | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
@@ -244,13 +268,22 @@ class TransformerLM(nn.Module):
             self.lm_head = LMHead(self.embed, plan.head)  # same dtype: shares the embedding's storage
         else:
             refine = self.embed if tied and dtype == torch.bfloat16 else None
-            self.lm_head = LMHead(source, plan.head, groups.get(head_name), refine)
+            self.lm_head = LMHead(source, plan.head, groups.get(head_name), refine, head_int8)
         inv_freq = rope_inv_freq(arch)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         half_sin = freqs.sin()
         self.register_buffer("cos_table", torch.cat((freqs.cos(), freqs.cos()), -1).float().to(dtype), False)
         # (-sin, sin): the sign of rotate_half folded in, so a rotation is three ops (see _rotate).
         self.register_buffer("sin_table", torch.cat((-half_sin, half_sin), -1).float().to(dtype), False)
+        self.fused: FusedCpuForward | None = None
+
+    def use_cpu_kernels(self, kv_dtype: torch.dtype) -> bool:
+        """Run forward through the fused CPU kernels from now on, if they build and fit this model."""
+        from tailserve.model import cpu_fused, cpu_kernels
+
+        lib = cpu_kernels.load() if cpu_fused.supports(self, kv_dtype) else None
+        self.fused = None if lib is None else cpu_fused.FusedCpuForward(self, lib)
+        return self.fused is not None
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -266,6 +299,8 @@ class TransformerLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
+        if self.fused is not None and backend.name == "torch":
+            return self.fused(input_ids, positions, kv_caches, meta, logits_indices)
         h = F.embedding(input_ids, self.embed)
         h = h if h.dtype == torch.float32 else h.float()  # the residual stream is float32
         rope = (self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1))

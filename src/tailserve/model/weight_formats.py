@@ -7,12 +7,15 @@ must become int4 or int8 is re-quantized from floats here, and only here.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tailserve.errors import UnsupportedModelError
+from tailserve.model.cpu_kernels import ptr
 from tailserve.model.gguf_file import GGUFTensor
 
 INT4_GROUP = 32  # the GGUF block length; also a group size torch's int4 kernel accepts
@@ -50,6 +53,18 @@ class Int8Rows:
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scale[:, None]
+
+
+@dataclass
+class Int8Groups:
+    """Symmetric 8-bit codes with one scale per group of 32 inputs: w = code * scale (GGUF Q8_0)."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K // 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        return (self.codes.float().view(n, -1, INT4_GROUP) * self.scale[..., None]).view(n, k)
 
 
 def concat_int4(parts: list[Int4Groups]) -> Int4Groups:
@@ -100,6 +115,16 @@ def int4_from_blocks(t: GGUFTensor) -> Int4Groups | None:
         qs = b[..., 4:]
     codes = _nibbles(qs).reshape(rows, -1)
     return Int4Groups(codes=codes, scale=scale, zero=zero)
+
+
+def int8_groups_from_blocks(t: GGUFTensor) -> Int8Groups | None:
+    """Q8_0 blocks (d, then 32 int8 codes) as groups, exactly; None for any other type."""
+    if t.type_name != "Q8_0":
+        return None
+    rows = t.data.shape[0]
+    b = _blocks(t, 34)
+    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1)
+    return Int8Groups(torch.from_numpy(codes.copy()), torch.from_numpy(_f16(b, 0)))
 
 
 def dequantize_tensor(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -157,6 +182,17 @@ def int8_from_float(w: torch.Tensor) -> Int8Rows:
     return Int8Rows(codes, scale)
 
 
+def int8_groups_from_float(w: torch.Tensor, group: int = INT4_GROUP) -> Int8Groups:
+    """Symmetric per group of `group` inputs (Q8_0's rule): the group's largest magnitude maps to 127."""
+    n, k = w.shape
+    if k % group:
+        raise UnsupportedModelError(f"int8 groups need the input dimension ({k}) to be a multiple of {group}")
+    g = w.detach().float().reshape(n, k // group, group)
+    scale = (g.abs().amax(-1) / 127.0).clamp_min(1e-12)
+    codes = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Groups(codes.reshape(n, k), scale)
+
+
 # --- what the kernels read ---------------------------------------------------------------------
 
 
@@ -206,3 +242,84 @@ class PackedInt8:
 
 def pack_int8(rows: Int8Rows) -> PackedInt8:
     return PackedInt8(rows.codes.contiguous(), rows.scale.to(torch.bfloat16))
+
+
+# --- the fused CPU kernels' AMX layouts (cpu_kernels.c: ts_q4_matmul, ts_q8_matmul) ------------
+
+_TILE_N = 16  # output channels per tile
+
+
+@dataclass
+class AmxInt4:
+    """Int4 groups laid out for ts_q4_matmul: per 16 outputs and k-quad, 32 bytes of nibbles, plus
+    float32 [N/16, K/32, 16] scale and min - 128 * scale (the kernel's 128 + q trick). N is padded
+    to a multiple of 16 (zero weights); the padding is cut off the output."""
+
+    packed: torch.Tensor  # uint8 [N/16, K/4, 32]
+    scale: torch.Tensor
+    shifted_min: torch.Tensor
+    bias: torch.Tensor | None  # bf16 [padded N]
+    out_features: int
+    in_features: int
+    lib: ctypes.CDLL
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 contiguous @ w.T (+ bias) -> [M, N] bf16 (a view when N was padded)."""
+        m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
+        y = torch.empty(m, padded, dtype=torch.bfloat16)
+        self.lib.ts_q4_matmul(
+            ptr(x), m, self.in_features, ptr(self.packed), ptr(self.scale), ptr(self.shifted_min),
+            None if self.bias is None else ptr(self.bias), padded, ptr(y),
+        )  # fmt: skip
+        return y if padded == self.out_features else y[:, : self.out_features]
+
+
+def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> AmxInt4:
+    n, k = groups.codes.shape
+    pad = -n % _TILE_N
+    codes = torch.from_numpy(groups.codes)
+    scale = torch.from_numpy(groups.scale)
+    shifted_min = torch.from_numpy(groups.zero) - 136.0 * scale  # min = zero - 8 scale; minus 128 scale
+    if pad:
+        codes = F.pad(codes, (0, 0, 0, pad))
+        scale, shifted_min = F.pad(scale, (0, 0, 0, pad)), F.pad(shifted_min, (0, 0, 0, pad))
+        bias = None if bias is None else F.pad(bias, (0, pad))
+    quads = codes.view(-1, _TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # [tiles, quads, 16, 4]
+    packed = (quads[..., 0:2] | (quads[..., 2:4] << 4)).contiguous().view(-1, k // 4, 32)
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    return AmxInt4(packed, _tiles(scale), _tiles(shifted_min), b, n, k, lib)
+
+
+@dataclass
+class AmxInt8:
+    """Int8 groups laid out for ts_q8_matmul: per 16 outputs and group, 16 k-pairs x 16 x 2 codes."""
+
+    packed: torch.Tensor  # int8 [N/16, K/32, 16, 16, 2]
+    scale: torch.Tensor  # float32 [N/16, K/32, 16]
+    out_features: int
+    in_features: int
+    lib: ctypes.CDLL
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 contiguous @ w.T -> [M, N] float32 (a view when N was padded)."""
+        m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
+        y = torch.empty(m, padded, dtype=torch.float32)
+        self.lib.ts_q8_matmul(ptr(x), m, self.in_features, ptr(self.packed), ptr(self.scale), padded, ptr(y))
+        return y if padded == self.out_features else y[:, : self.out_features]
+
+
+def pack_amx_int8(groups: Int8Groups, lib: ctypes.CDLL) -> AmxInt8:
+    n, k = groups.codes.shape
+    if k % INT4_GROUP:
+        raise UnsupportedModelError(f"int8 groups need the input dimension ({k}) to be a multiple of 32")
+    pad = -n % _TILE_N
+    codes, scale = F.pad(groups.codes, (0, 0, 0, pad)), F.pad(groups.scale.float(), (0, 0, 0, pad))
+    tiles = codes.view(-1, _TILE_N, k // INT4_GROUP, INT4_GROUP // 2, 2)
+    packed = tiles.permute(0, 2, 3, 1, 4).contiguous()  # [tiles, groups, pairs, 16 outputs, 2]
+    return AmxInt8(packed, _tiles(scale), n, k, lib)
+
+
+def _tiles(per_group: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] -> [N/16, K/32, 16]: a tile's 16 outputs side by side for each group."""
+    n, groups = per_group.shape
+    return per_group.reshape(n // _TILE_N, _TILE_N, groups).transpose(1, 2).contiguous().float()

@@ -1,0 +1,468 @@
+/* tailserve's fused CPU kernels: the small per-layer ops of a step, one call each.
+ *
+ * Built at first use by cpu_kernels.py (gcc -O3 -march=native, cached by source hash) and called
+ * through ctypes on raw tensor pointers. Every kernel is row-wise (or per sequence and head), so a
+ * row's result never depends on the other rows of the batch. bf16 is carried as uint16_t and
+ * rounded to nearest even, as torch does; arithmetic inside a kernel is float32.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)x) << 16;
+    return v.f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16)((v.u >> 16) | 0x40u); /* quiet NaN */
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+    return (bf16)((v.u + rounding) >> 16);
+}
+
+int ts_abi_version(void) { return 1; }
+
+/* out[r] = bf16(h[r] * rsqrt(mean(h[r]^2) + eps) * w), h float32 [rows, dim]. */
+void ts_rms_norm(const float *h, const float *w, bf16 *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = h + r * dim;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        bf16 *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(x[i] * inv * w[i]);
+    }
+}
+
+/* The residual add after a sublayer, then (if w) the next norm:
+ * h[r] += delta[r] (bf16, row stride delta_stride); out[r] = bf16(rms_norm(h[r]) * w). */
+void ts_add_rms_norm(float *h, const bf16 *delta, int64_t delta_stride, const float *w, bf16 *out,
+                     int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = h + r * dim;
+        const bf16 *d = delta + r * delta_stride;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = x[i] + bf16_to_f32(d[i]);
+            x[i] = v;
+            ss += v * v;
+        }
+        if (w == NULL) continue;
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        bf16 *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(x[i] * inv * w[i]);
+    }
+}
+
+/* out[r, i] = bf16(silu(gu[r, i]) * gu[r, inter + i]), gu bf16 [rows, 2 * inter] (gate | up). */
+void ts_silu_mul(const bf16 *gu, bf16 *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *g = gu + r * 2 * inter;
+        const bf16 *u = g + inter;
+        bf16 *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* Rotary embedding (rotate-half layout) of q and k in place inside the fused qkv rows, then the
+ * rotated k and the v of every row written to the cache at its slot.
+ * qkv bf16 [rows, (heads + 2 * kv_heads) * dim]; cos_half / sin_half float32 [positions, dim / 2];
+ * k_cache / v_cache bf16 [slots, kv_heads, dim]. */
+void ts_rope_write_kv(bf16 *qkv, const int64_t *positions, const float *cos_half, const float *sin_half,
+                      const int64_t *slots, bf16 *k_cache, bf16 *v_cache, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    const int64_t kv_width = kv_heads * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        bf16 *row = qkv + r * width;
+        const float *c = cos_half + positions[r] * half;
+        const float *s = sin_half + positions[r] * half;
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
+            bf16 *x = row + hd * dim;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+                x[i] = f32_to_bf16(x1 * c[i] - x2 * s[i]);
+                x[i + half] = f32_to_bf16(x2 * c[i] + x1 * s[i]);
+            }
+        }
+        memcpy(k_cache + slots[r] * kv_width, row + heads * dim, (size_t)kv_width * sizeof(bf16));
+        memcpy(v_cache + slots[r] * kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(bf16));
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 bf16 values at p, widened to float32. */
+static inline __m512 load16_bf16(const bf16 *p) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+/* scores[j] = q[j] . k over dim for the `group` query heads that share the key row k. */
+static inline __attribute__((always_inline)) void dot_group(const float *qf, const bf16 *k, int64_t group, int64_t dim, float *scores,
+                             int64_t score_stride) {
+#if defined(__AVX512F__)
+    if (dim % 16 == 0 && dim <= 256) {
+        __m512 kv[16];
+        const int64_t n = dim / 16;
+        for (int64_t v = 0; v < n; v++) kv[v] = load16_bf16(k + 16 * v);
+        for (int64_t j = 0; j < group; j++) {
+            const float *qj = qf + j * dim;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+            for (int64_t v = 1; v < n; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), kv[v], acc);
+            scores[j * score_stride] = _mm512_reduce_add_ps(acc);
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = qf + j * dim;
+        float dot = 0.0f;
+        for (int64_t i = 0; i < dim; i++) dot += qj[i] * bf16_to_f32(k[i]);
+        scores[j * score_stride] = dot;
+    }
+}
+
+/* acc[j] += p[j] * v over dim for the `group` query heads that share the value row v. */
+static inline __attribute__((always_inline)) void axpy_group(float *acc, const bf16 *v, const float *p, int64_t p_stride, int64_t group,
+                              int64_t dim) {
+#if defined(__AVX512F__)
+    if (dim % 16 == 0 && dim <= 256) {
+        __m512 vv[16];
+        const int64_t n = dim / 16;
+        for (int64_t x = 0; x < n; x++) vv[x] = load16_bf16(v + 16 * x);
+        for (int64_t j = 0; j < group; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j * p_stride]);
+            float *a = acc + j * dim;
+            for (int64_t x = 0; x < n; x++)
+                _mm512_storeu_ps(a + 16 * x, _mm512_fmadd_ps(pj, vv[x], _mm512_loadu_ps(a + 16 * x)));
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < group; j++) {
+        const float pj = p[j * p_stride];
+        float *a = acc + j * dim;
+        for (int64_t i = 0; i < dim; i++) a[i] += pj * bf16_to_f32(v[i]);
+    }
+}
+
+#if defined(__AVX512F__)
+/* Scores of the GROUP query heads of one kv head over its paged keys, q vectors held in registers. */
+static inline __attribute__((always_inline)) void qk_avx512(
+    const float *qf, const bf16 *k_cache, const int64_t *table, int64_t len, int64_t kv_width,
+    int64_t block_size, float *scores, int64_t max_len, int64_t group, int64_t dim) {
+    __m512 qv[4][8];
+    const int64_t n = dim / 16;
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t v = 0; v < n; v++) qv[j][v] = _mm512_loadu_ps(qf + j * dim + 16 * v);
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const bf16 *block = k_cache + table[t0 / block_size] * block_size * kv_width;
+        const int64_t m = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t t = 0; t < m; t++) {
+            const bf16 *k = block + t * kv_width;
+            __m512 kv[8];
+            for (int64_t v = 0; v < n; v++) kv[v] = load16_bf16(k + 16 * v);
+            for (int64_t j = 0; j < group; j++) {
+                __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
+                for (int64_t v = 1; v < n; v++) acc = _mm512_fmadd_ps(qv[j][v], kv[v], acc);
+                scores[j * max_len + t0 + t] = _mm512_reduce_add_ps(acc);
+            }
+        }
+    }
+}
+
+/* out = sum_t p[t] v[t] for the GROUP query heads of one kv head, accumulators in registers. */
+static inline __attribute__((always_inline)) void pv_avx512(
+    const float *p, const bf16 *v_cache, const int64_t *table, int64_t len, int64_t kv_width,
+    int64_t block_size, int64_t max_len, float *acc_out, int64_t group, int64_t dim) {
+    __m512 acc[4][8];
+    const int64_t n = dim / 16;
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t x = 0; x < n; x++) acc[j][x] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const bf16 *block = v_cache + table[t0 / block_size] * block_size * kv_width;
+        const int64_t m = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t t = 0; t < m; t++) {
+            const bf16 *vr = block + t * kv_width;
+            __m512 vv[8];
+            for (int64_t x = 0; x < n; x++) vv[x] = load16_bf16(vr + 16 * x);
+            for (int64_t j = 0; j < group; j++) {
+                const __m512 pj = _mm512_set1_ps(p[j * max_len + t0 + t]);
+                for (int64_t x = 0; x < n; x++) acc[j][x] = _mm512_fmadd_ps(pj, vv[x], acc[j][x]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t x = 0; x < n; x++) _mm512_storeu_ps(acc_out + j * dim + 16 * x, acc[j][x]);
+}
+#endif
+
+/* One sequence of ts_paged_decode_attention; inlined per head_dim so the row loops unroll. */
+static inline __attribute__((always_inline)) void attend_one(
+    const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table, int64_t len, bf16 *out,
+    int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, float *scores,
+    int64_t max_len, float *qf, float *acc) {
+    const int64_t group = heads / kv_heads;
+    const int64_t kv_width = kv_heads * dim;
+    for (int64_t i = 0; i < heads * dim; i++) qf[i] = bf16_to_f32(q[i]) * scale;
+#if defined(__AVX512F__)
+    const int fast = dim % 16 == 0 && dim <= 128 && group <= 4;
+#else
+    const int fast = 0;
+#endif
+    if (fast) {
+#if defined(__AVX512F__)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const float *qg = qf + g * group * dim;
+            float *sg = scores + g * group * max_len;
+            switch (group) { /* a constant group size lets the q registers stay registers */
+            case 1: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 1, dim); break;
+            case 2: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 2, dim); break;
+            case 3: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 3, dim); break;
+            default: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 4, dim);
+            }
+        }
+#endif
+    } else {
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const bf16 *block = k_cache + table[t0 / block_size] * block_size * kv_width;
+            const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t g = 0; g < kv_heads; g++)
+                    dot_group(qf + g * group * dim, block + t * kv_width + g * dim, group, dim,
+                              scores + g * group * max_len + t0 + t, max_len);
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *sc = scores + h * max_len;
+        float top = -FLT_MAX;
+        for (int64_t t = 0; t < len; t++) top = sc[t] > top ? sc[t] : top;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            sc[t] = expf(sc[t] - top);
+            sum += sc[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) sc[t] *= inv;
+    }
+    if (fast) {
+#if defined(__AVX512F__)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const float *pg = scores + g * group * max_len;
+            float *ag = acc + g * group * dim;
+            switch (group) {
+            case 1: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 1, dim); break;
+            case 2: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 2, dim); break;
+            case 3: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 3, dim); break;
+            default: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 4, dim);
+            }
+        }
+#endif
+    } else {
+        memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const bf16 *block = v_cache + table[t0 / block_size] * block_size * kv_width;
+            const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t g = 0; g < kv_heads; g++)
+                    axpy_group(acc + g * group * dim, block + t * kv_width + g * dim,
+                               scores + g * group * max_len + t0 + t, max_len, group, dim);
+        }
+    }
+    for (int64_t i = 0; i < heads * dim; i++) out[i] = f32_to_bf16(acc[i]);
+}
+
+/* One query token per sequence over its paged context, read in place from the cache (no gather).
+ * q bf16 [seqs, heads, dim] with row stride q_stride (elements); caches bf16 [slots, kv_heads, dim];
+ * block_tables int64 [seqs, table_width]; lens int64 [seqs]; out bf16 [seqs, heads, dim].
+ * The cache is walked in slot order, each key row loaded once for the query heads of its group; the
+ * scores are kept whole, so the softmax is exact (max, then exp and sum, then the weighted values). */
+void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
+                               const int64_t *block_tables, int64_t table_width, const int64_t *lens,
+                               bf16 *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                               int64_t block_size, float scale) {
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
+    float *scores = (float *)malloc((size_t)(heads * max_len) * sizeof(float));
+    float *qf = (float *)malloc((size_t)(heads * dim) * sizeof(float));
+    float *acc = (float *)malloc((size_t)(heads * dim) * sizeof(float));
+    for (int64_t s = 0; s < seqs; s++) {
+        const bf16 *qs = q + s * q_stride;
+        const int64_t *table = block_tables + s * table_width;
+        bf16 *os = out + s * heads * dim;
+        if (dim == 64)
+            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 64, block_size, scale,
+                       scores, max_len, qf, acc);
+        else if (dim == 128)
+            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 128, block_size, scale,
+                       scores, max_len, qf, acc);
+        else
+            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, dim, block_size, scale,
+                       scores, max_len, qf, acc);
+    }
+    free(acc);
+    free(qf);
+    free(scores);
+}
+
+/* --- Matmuls on AMX tiles: int4 layer weights and the int8 LM head, exact to the file's blocks ---
+ *
+ * Both take bf16 activations x [rows, k] and weights in groups of 32 along k, each group of each
+ * output with its own float32 scale: w = scale * q (+ min). Per block of 16 output channels and
+ * group, the codes are widened into a bf16 tile (exactly: |q| <= 255 fits bf16's 8 significant
+ * bits), one TDPBF16PS multiplies up to 16 rows at once with float32 sums, and the group's scale is
+ * applied to the float32 result, so nothing is rounded but x (already bf16) and the output. Rows are
+ * independent: a row's result does not depend on the other rows. k must be a multiple of 32, n_out of
+ * 16. AMX needs the kernel's permission for tile data: ts_amx_init asks for it (0: unavailable). */
+#define TILE_N 16
+#define GROUP_K 32
+
+int ts_amx_init(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tile 0: C, rows x 16 float32; tile 1: A, rows x 32 bf16; tile 2: B, 16 k-pairs x 16 outputs. */
+static void amx_config(int64_t rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = (uint8_t)rows, c.colsb[0] = 64;
+    c.rows[1] = (uint8_t)rows, c.colsb[1] = 64;
+    c.rows[2] = 16, c.colsb[2] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* acc[r] (16 outputs) += scale * (A x B)[r] (+ shifted_min * xsum[r]) for the tile in B. */
+static inline void amx_group(const bf16 *x, int64_t x_stride, const bf16 *b_tile, float *c_buf, float *acc,
+                             int64_t rows, const float *scale, const float *shifted_min, const float *xsum,
+                             int64_t xsum_stride) {
+    _tile_loadd(2, b_tile, 64);
+    _tile_loadd(1, x, x_stride * 2);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_stored(0, c_buf, 64);
+    const __m512 d = _mm512_loadu_ps(scale);
+    if (shifted_min != NULL) {
+        const __m512 m = _mm512_loadu_ps(shifted_min);
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 a = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * xsum_stride]), _mm512_loadu_ps(acc + r * 16));
+            _mm512_storeu_ps(acc + r * 16, _mm512_fmadd_ps(d, _mm512_loadu_ps(c_buf + r * 16), a));
+        }
+    } else {
+        for (int64_t r = 0; r < rows; r++)
+            _mm512_storeu_ps(acc + r * 16, _mm512_fmadd_ps(d, _mm512_loadu_ps(c_buf + r * 16), _mm512_loadu_ps(acc + r * 16)));
+    }
+}
+#endif
+
+/* Layer linears from Q4_0 / Q4_1 groups: w = scale * q + min, q in 0..15. y bf16 [rows, n_out] (+ bias).
+ * Packed per 16 outputs and k-quad c: 32 bytes, byte 2j holding output j's codes for k = 4c and
+ * 4c + 2 (low, high nibble), byte 2j + 1 those for 4c + 1 and 4c + 3. A nibble q widens to the bf16
+ * number 128 + q by OR-ing it into 0x4300, so the tile sums (128 + q) x, and the caller passes
+ * shifted_min = min - 128 * scale to take the 128 back out through sum(x) of the group.
+ * scale / shifted_min float32 [n_out / 16, k / 32, 16]. */
+void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
+                  const float *shifted_min, const bf16 *bias, int64_t n_out, bf16 *y) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
+    float *xsum = (float *)malloc((size_t)(rows * groups) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < GROUP_K; i++) s += bf16_to_f32(x[r * k + g * GROUP_K + i]);
+            xsum[r * groups + g] = s;
+        }
+    bf16 b_tile[16 * 32] __attribute__((aligned(64)));
+    float c_buf[16 * 16] __attribute__((aligned(64)));
+    float acc[16 * 16] __attribute__((aligned(64)));
+    const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+        const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
+        amx_config(mb);
+        for (int64_t t = 0; t < tiles; t++) {
+            memset(acc, 0, sizeof acc);
+            const uint8_t *w = packed + t * (k / 4) * 32;
+            for (int64_t g = 0; g < groups; g++) {
+                for (int64_t c = 0; c < 8; c++) {
+                    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + (g * 8 + c) * 32)));
+                    _mm512_store_si512(b_tile + (2 * c) * 32, _mm512_ternarylogic_epi32(words, low, magic, 0xEA));
+                    _mm512_store_si512(b_tile + (2 * c + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(words, 4), magic));
+                }
+                amx_group(x + m0 * k + g * GROUP_K, k, b_tile, c_buf, acc, mb, scale + (t * groups + g) * 16,
+                          shifted_min + (t * groups + g) * 16, xsum + m0 * groups + g, groups);
+            }
+            for (int64_t r = 0; r < mb; r++) {
+                __m512 out = _mm512_loadu_ps(acc + r * 16);
+                if (bias != NULL) out = _mm512_add_ps(out, load16_bf16(bias + t * 16));
+                _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n_out + t * 16), (__m256i)_mm512_cvtneps_pbh(out));
+            }
+        }
+    }
+    _tile_release();
+    free(xsum);
+#else
+    (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)shifted_min, (void)bias, (void)n_out, (void)y;
+#endif
+}
+
+/* The LM head from Q8_0 groups: w = scale * q, q in -128..127; y float32 [rows, n_out].
+ * Packed per 16 outputs and group: 16 rows of 32 bytes, row i byte 2j + e = output j's code for
+ * k = 32 g + 2 i + e (the tile's pair layout). scale float32 [n_out / 16, k / 32, 16]. */
+void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, const float *scale,
+                  int64_t n_out, float *y) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
+    bf16 b_tile[16 * 32] __attribute__((aligned(64)));
+    float c_buf[16 * 16] __attribute__((aligned(64)));
+    float acc[16 * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+        const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
+        amx_config(mb);
+        for (int64_t t = 0; t < tiles; t++) {
+            memset(acc, 0, sizeof acc);
+            const int8_t *w = packed + t * groups * 512;
+            for (int64_t g = 0; g < groups; g++) {
+                for (int64_t i = 0; i < 16; i++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + g * 512 + i * 32));
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+                    _mm512_store_si512(b_tile + i * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+                amx_group(x + m0 * k + g * GROUP_K, k, b_tile, c_buf, acc, mb, scale + (t * groups + g) * 16,
+                          NULL, NULL, 0);
+            }
+            for (int64_t r = 0; r < mb; r++) _mm512_storeu_ps(y + (m0 + r) * n_out + t * 16, _mm512_loadu_ps(acc + r * 16));
+        }
+    }
+    _tile_release();
+#else
+    (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)n_out, (void)y;
+#endif
+}

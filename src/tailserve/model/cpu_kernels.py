@@ -1,0 +1,136 @@
+"""The fused CPU kernels (cpu_kernels.c): built once per machine with the system C compiler, loaded by ctypes.
+
+A decoder layer's small ops (norms, RoPE, the KV write, SiLU, residual adds) cost more than its
+matmuls at decode batch sizes when each is a torch op. These kernels do each group in one call on raw
+pointers, and decode attention reads the paged cache in place. The shared object is cached under
+$TAILSERVE_CACHE_DIR/kernels (default ~/.cache/tailserve/kernels), named by a hash of the source,
+the compiler and its flags, so an edit or another CPU builds afresh. Without a compiler, `load()`
+returns None and the model runs the torch path (same results within bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ABI_VERSION = 1
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
+DISABLE_ENV = "TAILSERVE_CPU_KERNELS"  # "0" turns the kernels off (the torch path runs)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES: dict[str, list[type]] = {
+    "ts_rms_norm": [_P, _P, _P, _I, _I, _F],
+    "ts_add_rms_norm": [_P, _P, _I, _P, _P, _I, _I, _F],
+    "ts_silu_mul": [_P, _P, _I, _I],
+    "ts_rope_write_kv": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "ts_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "ts_q8_matmul": [_P, _I, _I, _P, _P, _I, _P],
+    "ts_q4_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
+}
+
+
+def kernel_dir() -> Path:
+    root = os.environ.get("TAILSERVE_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tailserve" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)  # atomic: a concurrent builder never loads half a file
+
+
+def _target(cc: str) -> Path:
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update("\0".join([cc, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    return kernel_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def identity() -> str:
+    """Which kernels run here, for cache keys of measurements (the quality gate): the build's hash
+    and whether AMX runs, or "off"."""
+    lib = load()
+    if lib is None:
+        return "off"
+    return f"{Path(lib._name).stem}{'+amx' if amx() is not None else ''}"
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernels, built if needed; None where they cannot be (no compiler, not x86/arm, disabled)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None or platform.system() != "Linux":
+        log.info("fused CPU kernels unavailable (no C compiler on Linux); the torch path runs")
+        return None
+    target = _target(cc)
+    try:
+        if not target.exists():
+            _build(cc, target)
+            log.info("built fused CPU kernels: %s", target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("fused CPU kernels unavailable (%s); the torch path runs", exc)
+        return None
+    if lib.ts_abi_version() != ABI_VERSION:
+        log.warning("fused CPU kernels at %s have another ABI; the torch path runs", target)
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = None
+    lib.ts_amx_init.restype = ctypes.c_int
+    return lib
+
+
+@cache
+def amx() -> ctypes.CDLL | None:
+    """The kernels if their AMX matmuls can run here (built with AMX, and the OS granted tile data)."""
+    lib = load()
+    if lib is None or not lib.ts_amx_init():
+        return None
+    return lib
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native depends on them); empty where /proc is absent."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def ptr(t: torch.Tensor) -> int:
+    return int(t.data_ptr())
