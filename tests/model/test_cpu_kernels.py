@@ -1,0 +1,246 @@
+"""The fused CPU kernels (model/cpu_kernels.c) against torch references, and the fused forward pass
+against the op-by-op torch path on the real model."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailserve.model import cpu_kernels
+from tailserve.model.attention import gather_blocks
+from tailserve.model.cpu_kernels import ptr
+from tailserve.model.formats import build_model
+from tailserve.model.loader import LoadedModel
+from tailserve.model.runner import ModelRunner, SeqChunk
+from tailserve.model.sampler import SamplingSpec
+from tailserve.model.transformer import _rotate
+from tailserve.model.weight_formats import (
+    int4_from_blocks,
+    int8_groups_from_blocks,
+    pack_amx_int4,
+    pack_amx_int8,
+)
+from tests.model.test_weight_formats import _assert_within_bf16, _blocks
+
+HAS_COMPILER = platform.system() == "Linux" and (shutil.which("cc") or shutil.which("gcc")) is not None
+HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    built = cpu_kernels.load()
+    if built is None:
+        pytest.skip("no C compiler here: the torch path runs (tested everywhere else)")
+    return built
+
+
+@pytest.fixture(scope="module")
+def amx(lib: ctypes.CDLL) -> ctypes.CDLL:
+    built = cpu_kernels.amx()
+    if built is None:
+        pytest.skip("this CPU has no AMX: int4 runs on torch's kernel, the head on bf16")
+    return built
+
+
+def test_the_kernels_build_wherever_a_compiler_is() -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler")
+    assert cpu_kernels.load() is not None
+    if HAS_AMX:
+        assert cpu_kernels.amx() is not None
+    assert cpu_kernels.identity().startswith("cpu_kernels-")
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """load() / amx() forget what they built, and build under tmp_path; restored afterwards."""
+    monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    cpu_kernels.amx.cache_clear()
+    yield
+    cpu_kernels.load.cache_clear()
+    cpu_kernels.amx.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_a_failing_compiler_or_the_switch_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/bin/false")
+    assert cpu_kernels.load() is None
+    assert "torch path runs" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built file left to load later
+    cpu_kernels.load.cache_clear()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.identity() == "off"
+
+
+def _bf(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def test_norm_residual_and_silu_kernels_match_torch(lib: ctypes.CDLL) -> None:
+    rows, dim, inter, eps = 5, 96, 80, 1e-5
+    h = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1)) * 3
+    w = torch.randn(dim, generator=torch.Generator().manual_seed(2))
+    out = torch.empty(rows, dim, dtype=torch.bfloat16)
+    lib.ts_rms_norm(ptr(h), ptr(w), ptr(out), rows, dim, eps)
+    _assert_within_bf16(out, F.rms_norm(h, (dim,), w, eps))
+
+    delta = _bf(rows, dim + 16, seed=3)  # a strided view: row stride dim + 16
+    h2 = h.clone()
+    lib.ts_add_rms_norm(ptr(h2), ptr(delta), dim + 16, ptr(w), ptr(out), rows, dim, eps)
+    want = h + delta[:, :dim].float()
+    torch.testing.assert_close(h2, want, rtol=0, atol=1e-6)  # the residual stream stays float32
+    _assert_within_bf16(out, F.rms_norm(want, (dim,), w, eps))
+    h3, before = h.clone(), out.clone()
+    lib.ts_add_rms_norm(ptr(h3), ptr(delta), dim + 16, None, ptr(out), rows, dim, eps)  # no norm: add only
+    torch.testing.assert_close(h3, want, rtol=0, atol=1e-6)
+    assert torch.equal(out, before)
+
+    gu = _bf(rows, 2 * inter, seed=4, scale=3.0)
+    act = torch.empty(rows, inter, dtype=torch.bfloat16)
+    lib.ts_silu_mul(ptr(gu), ptr(act), rows, inter)
+    g, u = gu.float().chunk(2, dim=-1)
+    _assert_within_bf16(act, F.silu(g) * u)
+
+
+def test_rope_rotates_q_and_k_in_place_and_writes_k_v_to_their_slots(lib: ctypes.CDLL) -> None:
+    rows, heads, kv_heads, dim, positions_max = 4, 6, 2, 32, 64
+    qkv = _bf(rows, (heads + 2 * kv_heads) * dim, seed=5)
+    positions = torch.tensor([0, 7, 31, 63])
+    slots = torch.tensor([5, 0, 17, 9])
+    freqs = torch.outer(
+        torch.arange(positions_max).double(), 1e4 ** -(torch.arange(0, dim, 2).double() / dim)
+    )
+    cos_half, sin_half = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
+    k_cache = torch.zeros(20, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    original = qkv.clone()
+    lib.ts_rope_write_kv(
+        ptr(qkv), ptr(positions), ptr(cos_half), ptr(sin_half), ptr(slots), ptr(k_cache), ptr(v_cache),
+        rows, heads, kv_heads, dim,
+    )  # fmt: skip
+    cos = torch.cat([cos_half, cos_half], -1)[positions].unsqueeze(1)
+    sin = torch.cat([-sin_half, sin_half], -1)[positions].unsqueeze(1)
+    qk = original[:, : (heads + kv_heads) * dim].float().view(rows, heads + kv_heads, dim)
+    want = _rotate(qk, cos, sin)
+    _assert_within_bf16(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), want)
+    assert torch.equal(
+        qkv[:, (heads + kv_heads) * dim :], original[:, (heads + kv_heads) * dim :]
+    )  # v untouched
+    assert torch.equal(
+        k_cache[slots], qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    )
+    assert torch.equal(v_cache[slots], original[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim))
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 64), (8, 2, 128), (14, 2, 64), (4, 2, 48)]
+)
+def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(
+    lib: ctypes.CDLL, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Unequal lengths (inside a block, on a boundary, one token), blocks in shuffled order, any GQA
+    group (7 is past the fast path's 4) and head size (48 takes the portable loops)."""
+    bs, lens = 16, [1, 15, 16, 17, 100, 257]
+    width = max(-(-n // bs) for n in lens) + 1  # a padded table, as the runner builds it
+    num_blocks = len(lens) * width + 3
+    g = torch.Generator().manual_seed(heads * dim)
+    k_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    seq_lens = torch.tensor(lens)
+    scale = dim**-0.5
+    lib.ts_paged_decode_attention(
+        ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), width, ptr(seq_lens), ptr(out),
+        len(lens), heads, kv_heads, dim, bs, scale,
+    )  # fmt: skip
+    for s, n in enumerate(lens):
+        keys = gather_blocks(k_cache, tables[s], bs)[:n].float().transpose(0, 1)
+        values = gather_blocks(v_cache, tables[s], bs)[:n].float().transpose(0, 1)
+        want = F.scaled_dot_product_attention(
+            q[s].float().unsqueeze(1), keys, values, scale=scale, enable_gqa=True
+        ).squeeze(1)
+        _assert_within_bf16(out[s], want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("n", "k"), [(24, 96), (80, 160), (960, 576)])
+def test_amx_int4_matmul_is_exact_to_the_blocks(amx: ctypes.CDLL, kind: str, n: int, k: int) -> None:
+    """The file's own scale and min, widened to float32, times bf16 x with float32 sums: the only
+    rounding is the output to bf16 (torch's int4 kernel rounds scale and zero to bf16 too)."""
+    t = _blocks(kind, n, k, seed=n + k)
+    groups = int4_from_blocks(t)
+    assert groups is not None
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    packed = pack_amx_int4(groups, amx, bias)
+    ref_w = groups.dequantize()
+    for rows in (1, 5, 16, 17, 40):
+        x = _bf(rows, k, seed=rows)
+        got = packed.matmul(x.contiguous())
+        assert got.shape == (rows, n)
+        _assert_within_bf16(got, x.float() @ ref_w.T + bias.to(torch.bfloat16).float())
+
+
+def test_amx_q8_head_is_exact_to_the_q8_0_blocks(amx: ctypes.CDLL) -> None:
+    t = _blocks("Q8_0", 1000, 224, seed=9)  # a vocab off the 16-wide tile
+    groups = int8_groups_from_blocks(t)
+    assert groups is not None
+    packed = pack_amx_int8(groups, amx)
+    ref_w = groups.dequantize()
+    x = _bf(21, 224, seed=10)
+    got = packed.matmul(x.contiguous())
+    want = x.float() @ ref_w.T
+    assert got.dtype == torch.float32 and got.shape == (21, 1000)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # float32 sums, no bf16 output rounding
+    for i in (0, 16, 20):  # rows alone equal rows in a batch, bit for bit
+        assert torch.equal(packed.matmul(x[i : i + 1].contiguous()), got[i : i + 1])
+
+
+def _runner(smol: LoadedModel, fused: bool) -> ModelRunner:
+    model = build_model(smol, "int4", torch.device("cpu"), 512)
+    runner = ModelRunner(model, 64, 16, torch.device("cpu"), kv_dtype=torch.bfloat16, cpu_kernels=fused)
+    assert (model.fused is not None) == fused
+    return runner
+
+
+def test_fused_forward_matches_the_torch_path_on_the_real_model(lib: ctypes.CDLL, smol: LoadedModel) -> None:
+    """Prefill, a chunk over a cached prefix, decodes and a mixed step: the same logits within bf16
+    noise, the same greedy token on (nearly) every row."""
+    fused, plain = _runner(smol, True), _runner(smol, False)
+    prompt = smol.tokenizer.encode("The river Tiber runs through the city of Rome, and its bridges")
+    greedy = SamplingSpec()
+    steps = [
+        [SeqChunk(prompt[:10], 0, [0, 1], True, greedy)],  # prefill from scratch
+        [SeqChunk(prompt[10:], 10, [0, 1], True, greedy)],  # a chunk over its cached prefix
+        [SeqChunk(prompt[:5], 0, [2], True, greedy), SeqChunk(prompt[:8], 0, [5, 6], False, greedy)],
+        [  # mixed: two decodes of unequal context, then a prompt chunk over its cached prefix
+            SeqChunk([prompt[3]], len(prompt), [0, 1], True, greedy, decode=True),
+            SeqChunk([prompt[4]], 5, [2], True, greedy, decode=True),
+            SeqChunk(prompt[8:], 8, [5, 6], True, greedy),
+        ],
+    ]
+    agree = total = 0
+    for chunks in steps:
+        a, b = fused.logits_for(chunks), plain.logits_for(chunks)
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < 0.1 * b.abs().max().item()
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    assert agree >= 0.9 * total, f"{agree}/{total} rows agree on the top token"
