@@ -1,11 +1,13 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each row with its own generator.
+"""Token sampling over the batch: penalties, logit bias, banned tokens, temperature, top-k/top-p/min-p.
 
-A row's draw depends only on its own logits and generator, so the same seed gives the same
-tokens whatever else shares the batch.
+Every transform is a row-wise tensor op over only the rows that asked for it; no Python loop runs
+over the vocabulary. A row's draw depends only on its own logits and generator (one uniform per
+row, then an inverse-CDF pick), so the same seed gives the same tokens whatever shares the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,39 +15,225 @@ import torch
 
 @dataclass
 class SamplingSpec:
-    """The per-row sampling settings the model runner needs (no stop logic: that is the engine's)."""
+    """The per-row sampling settings the model runner needs (no stop logic: that is the engine's).
+
+    `token_ids` is the sequence so far (prompt then output; the first `num_prompt_tokens` are the
+    prompt): presence and frequency penalties count the output, the repetition penalty both.
+    `banned_token_ids` get -inf this step (the engine bans end tokens until `min_tokens`).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     generator: torch.Generator | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    banned_token_ids: Sequence[int] = ()
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
-    """One token id per row of `logits` [R, vocab] (float32)."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out: list[int] = []
-    for i, spec in enumerate(specs):
-        if spec.temperature == 0.0:
-            out.append(int(greedy[i]))
-        else:
-            out.append(_sample_row(logits[i], spec))
+def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> list[int]:
+    """One token id per row of `logits` [R, vocab] (float32); `logits` itself is never modified."""
+    logits = adjust_logits(logits, specs)
+    tokens = torch.empty(len(specs), dtype=torch.long)
+    greedy = [i for i, s in enumerate(specs) if s.temperature == 0.0]
+    drawn = [i for i, s in enumerate(specs) if s.temperature != 0.0]
+    if greedy:
+        tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
+    if drawn:
+        tokens[drawn] = _draw(_rows(logits, drawn), [specs[i] for i in drawn])
+    return [int(t) for t in tokens.tolist()]
+
+
+def _rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """t[rows], without a copy when the rows are all of t in order (the common case)."""
+    return t if len(rows) == t.shape[0] and list(rows) == list(range(len(rows))) else t[list(rows)]
+
+
+def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """Penalties, logit bias and banned tokens on the rows that have them (a copy; `logits` if none)."""
+    pen = [i for i, s in enumerate(specs) if s.penalised]
+    bias = [i for i, s in enumerate(specs) if s.logit_bias or s.banned_token_ids]
+    if not pen and not bias:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    flat = out.view(-1)
+    if pen:
+        _penalise(flat, vocab, pen, specs)
+    rows = [i for i in bias for _ in (specs[i].logit_bias or {})]
+    if rows:
+        cols = [t for i in bias for t in (specs[i].logit_bias or {})]
+        vals = [b for i in bias for b in (specs[i].logit_bias or {}).values()]
+        idx = torch.tensor(rows) * vocab + torch.tensor(cols)
+        flat.index_add_(0, idx, torch.tensor(vals, dtype=out.dtype))
+    banned = [i * vocab + t for i in bias for t in specs[i].banned_token_ids]
+    if banned:
+        flat[torch.tensor(banned)] = float("-inf")
     return out
 
 
-def _sample_row(row: torch.Tensor, spec: SamplingSpec) -> int:
-    row = row / spec.temperature
-    if spec.top_k > 0 and spec.top_k < row.shape[-1]:
-        kth = torch.topk(row, spec.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if spec.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= spec.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    # Gumbel-style race via exponential noise: argmax(p / E) is a draw from p.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=spec.generator)
-    return int(torch.argmax(probs / noise).item())
+def _penalise(flat: torch.Tensor, vocab: int, rows: Sequence[int], specs: Sequence[SamplingSpec]) -> None:
+    """vLLM's penalties, in place on the flattened logits, touching only tokens a row has seen:
+    repetition over prompt+output (divide positive, multiply negative logits), then frequency x
+    output count and presence x (count > 0) subtracted."""
+    seen: list[int] = []
+    outs: list[int] = []
+    for i in rows:
+        s = specs[i]
+        base = i * vocab
+        if s.repetition_penalty != 1.0:
+            seen.extend(base + t for t in s.token_ids)
+        if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
+            outs.extend(base + t for t in s.token_ids[s.num_prompt_tokens :])
+    rep = torch.tensor([s.repetition_penalty for s in specs], dtype=flat.dtype)
+    freq = torch.tensor([s.frequency_penalty for s in specs], dtype=flat.dtype)
+    pres = torch.tensor([s.presence_penalty for s in specs], dtype=flat.dtype)
+    if seen:
+        idx = torch.unique(torch.tensor(seen))
+        vals = flat[idx]
+        r = rep[idx // vocab]
+        flat[idx] = torch.where(vals > 0, vals / r, vals * r)
+    if outs:
+        idx, counts = torch.unique(torch.tensor(outs), return_counts=True)
+        row = idx // vocab
+        flat.index_add_(0, idx, -(freq[row] * counts.to(flat.dtype) + pres[row]))
+
+
+def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """One token per sampled row: temperature, then top-k / top-p / min-p, each from its own generator.
+
+    Only row-wise ops touch a row (softmax, block sums, prefix sums, gathers), so a row's numbers,
+    and so its token, are the same whatever else is in the batch.
+    """
+    temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype)[:, None]
+    probs = torch.softmax(logits / temps, dim=-1)
+    vocab = probs.shape[-1]
+    tokens = torch.empty(len(specs), dtype=torch.long)
+    groups: dict[str, list[int]] = {"plain": [], "top_k": [], "nucleus": []}
+    for i, s in enumerate(specs):
+        kind = "top_k" if 0 < s.top_k < vocab else "nucleus" if s.top_p < 1.0 or s.min_p > 0.0 else "plain"
+        groups[kind].append(i)
+    if rows := groups["plain"]:
+        tokens[rows] = _pick(_rows(probs, rows), _uniforms(specs, rows))
+    if rows := groups["top_k"]:
+        tokens[rows] = _draw_top_k(_rows(logits, rows), _rows(probs, rows), [specs[i] for i in rows])
+    if rows := groups["nucleus"]:
+        tokens[rows] = _draw_nucleus(_rows(probs, rows), [specs[i] for i in rows])
+    return tokens
+
+
+def _uniforms(specs: Sequence[SamplingSpec], rows: Sequence[int]) -> torch.Tensor:
+    """One draw in (0, 1] per row from the row's own generator (never 0: no zero-mass token is picked)."""
+    return torch.cat([1.0 - torch.rand(1, generator=specs[i].generator) for i in rows])[:, None]
+
+
+_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
+def _blocks(weights: torch.Tensor) -> torch.Tensor:
+    """[R, vocab] -> [R, blocks, _BLOCK], zero-padded at the end of the vocabulary."""
+    n, vocab = weights.shape
+    pad = -vocab % _BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    return weights.view(n, -1, _BLOCK)
+
+
+def _total(weights: torch.Tensor) -> torch.Tensor:
+    """[R, 1] row sums in a fixed order (block sums, then their prefix sum), whatever the batch."""
+    return _blocks(weights).sum(-1).cumsum(-1)[:, -1:]
+
+
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where u x (row mass) falls in the cumulative weights: a draw from `weights`.
+
+    Two levels (a prefix sum over block sums, then one over the chosen block) instead of a prefix
+    sum over the whole vocabulary, which is a serial loop per row. Never picks a zero weight.
+    """
+    blocks = _blocks(weights)
+    block_cdf = blocks.sum(-1).cumsum(-1)
+    target = u * block_cdf[:, -1:]
+    b = torch.searchsorted(block_cdf, target).clamp(max=block_cdf.shape[1] - 1)
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, b[:, :, None].expand(-1, 1, _BLOCK))[:, 0]
+    j = torch.searchsorted(inner.cumsum(-1), target - before)
+    # Rounding may leave the block's own sum a hair under the target: take its last nonzero token.
+    last_nonzero = torch.where(inner > 0, torch.arange(_BLOCK), 0).amax(-1, keepdim=True)
+    return (b * _BLOCK + torch.minimum(j, last_nonzero))[:, 0]
+
+
+def _draw_top_k(logits: torch.Tensor, probs: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """Top-k rows: the k best (one topk for the batch), then top-p / min-p on their renormalised mass."""
+    ks = torch.tensor([s.top_k for s in specs])[:, None]
+    order = torch.topk(logits, int(ks.max()), dim=-1).indices  # sorted best first
+    sorted_probs = probs.gather(1, order)
+    sorted_probs = sorted_probs.masked_fill(torch.arange(order.shape[1])[None, :] >= ks, 0.0)
+    cdf = sorted_probs.cumsum(-1)  # prefix sums: entries past a row's k never change its first k
+    last = _nucleus_len(sorted_probs, cdf, cdf.gather(1, ks - 1), specs).clamp(max=ks) - 1
+    target = _uniforms(specs, range(len(specs))) * cdf.gather(1, last)
+    picked = torch.minimum(torch.searchsorted(cdf, target), last)
+    return order.gather(1, picked)[:, 0]
+
+
+def _nucleus_len(
+    sorted_probs: torch.Tensor, cdf: torch.Tensor, mass: torch.Tensor, specs: Sequence[SamplingSpec]
+) -> torch.Tensor:
+    """[R, 1] length of the kept prefix of best-first `sorted_probs`: the smallest prefix reaching
+    top_p of `mass`, cut to tokens of at least min_p x the best one; never empty."""
+    top_p = torch.tensor([s.top_p for s in specs], dtype=cdf.dtype)[:, None]
+    min_p = torch.tensor([s.min_p for s in specs], dtype=cdf.dtype)[:, None]
+    n_top_p = ((cdf - sorted_probs) < top_p * mass).sum(-1, keepdim=True)
+    n_min_p = (sorted_probs >= min_p * sorted_probs[:, :1]).sum(-1, keepdim=True)
+    return torch.minimum(n_top_p, n_min_p).clamp(min=1)
+
+
+_MAX_REJECTIONS = 32
+
+
+def _draw_nucleus(probs: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
+    """Top-p / min-p without sorting the vocabulary: draw from the candidates, accept if the token is
+    in the nucleus, else keep only the tokens ranked above it and draw again.
+
+    Every candidate set holds the whole nucleus, so an accepted token is an exact draw from it; the
+    first draw is accepted with probability >= top_p. Ranks break ties by token id, as a stable sort.
+    """
+    n, vocab = probs.shape
+    top_p = torch.tensor([s.top_p for s in specs], dtype=probs.dtype)[:, None] * _total(probs)
+    min_kept = torch.tensor([s.min_p for s in specs], dtype=probs.dtype)[:, None] * probs.amax(
+        -1, keepdim=True
+    )
+    ids = torch.arange(vocab)[None, :]
+    tokens = torch.empty(n, dtype=torch.long)
+    active = list(range(n))
+    candidates = probs  # the active rows' candidate weights, aligned with `active`
+    for _ in range(_MAX_REJECTIONS):
+        pick = _pick(candidates, _uniforms(specs, active))[:, None]
+        row_probs = _rows(probs, active)
+        p_pick = row_probs.gather(1, pick)
+        above = (row_probs > p_pick) | ((row_probs == p_pick) & (ids < pick))
+        kept = torch.where(above, row_probs, 0.0)
+        ok = (_total(kept) < top_p[active]) & (p_pick >= min_kept[active])
+        accepted = ok[:, 0].tolist()
+        tokens[[row for row, a in zip(active, accepted, strict=True) if a]] = pick[ok]
+        rejected = [j for j, a in enumerate(accepted) if not a]
+        if not rejected:
+            return tokens
+        candidates = torch.where(above[rejected], candidates[rejected], 0.0)
+        active = [active[j] for j in rejected]
+    # Pathological rows (rare: a long tail of rejections) fall back to an exact sort.
+    sorted_probs, order = torch.sort(_rows(probs, active), dim=-1, descending=True, stable=True)
+    cdf = sorted_probs.cumsum(-1)
+    last = _nucleus_len(sorted_probs, cdf, cdf[:, -1:], [specs[i] for i in active]) - 1
+    target = _uniforms(specs, active) * cdf.gather(1, last)
+    picked = torch.minimum(torch.searchsorted(cdf, target), last)
+    tokens[active] = order.gather(1, picked)[:, 0]
+    return tokens
