@@ -46,6 +46,61 @@ def test_same_seed_same_output_regardless_of_batch(llm: LLM) -> None:
     assert other[0].token_ids != alone
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"min_p": 0.05},
+        {"top_k": 40},
+        {"presence_penalty": 0.8, "frequency_penalty": 0.4},
+        {"repetition_penalty": 1.3, "logit_bias": {13: 3.0}},
+        {"min_tokens": 6, "stop_token_ids": (13,)},
+    ],
+)
+def test_same_seed_same_output_regardless_of_batch_with_each_feature(
+    llm: LLM, extra: dict[str, object]
+) -> None:
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=77, **extra)  # type: ignore[arg-type]
+    others = SamplingParams(max_tokens=10, temperature=0.7, seed=3, presence_penalty=1.0)
+    alone = llm.generate(["Once upon a time"], params)[0].token_ids
+    batched = llm.generate(["Once upon a time", "The weather today"], [params, others])
+    assert batched[0].token_ids == alone
+
+
+def test_min_tokens_holds_off_the_end_token(llm: LLM) -> None:
+    prompt = ["What is the capital of France?"]
+    free = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0), chat=True)[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) < 30
+    eos = llm.engine.tokenizer.eos_token_ids
+    held = llm.generate(
+        prompt, SamplingParams(max_tokens=60, temperature=0.0, min_tokens=len(free.token_ids) + 5), chat=True
+    )[0]
+    assert len(held.token_ids) >= len(free.token_ids) + 5
+    assert not eos & set(held.token_ids[: len(free.token_ids) + 5])
+
+
+def test_penalties_and_logit_bias_change_greedy_output(llm: LLM) -> None:
+    prompt = ["Repeat after me: la la la la la la"]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    repeated = len(plain) - len(set(plain))
+    # (presence is a flat -2 at most: not enough against this margin; tests/model/test_sampler.py checks it)
+    for extra in ({"repetition_penalty": 1.8}, {"frequency_penalty": 1.5}):
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **extra)  # type: ignore[arg-type]
+        penalised = llm.generate(prompt, params)[0].token_ids
+        assert len(penalised) - len(set(penalised)) < repeated, extra
+    forced = llm.generate(
+        prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0})
+    )[0]
+    assert forced.token_ids == [42] * 4
+
+
+def test_stop_token_ids_stop_with_reason_stop(llm: LLM) -> None:
+    prompt = ["Count: one, two, three, four, five, six,"]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
+    stop_id = free[3]
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_id,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(stop_id) + 1]
+
+
 def test_top_k_one_is_greedy(llm: LLM) -> None:
     greedy = llm.generate(["The capital of Italy is"], SamplingParams(max_tokens=8, temperature=0.0))
     top1 = llm.generate(
@@ -101,6 +156,11 @@ def test_eos_stops_and_max_tokens_gives_length(llm: LLM) -> None:
         ({"top_k": -5}, "top_k"),
         ({"seed": "x"}, "seed"),
         ({"stop": ("",)}, "stop"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": 9.0}, "presence_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logit_bias": {1: 500.0}}, "logit_bias"),
+        ({"min_tokens": 99}, "min_tokens"),
     ],
 )
 def test_bad_sampling_values_are_typed_errors(kwargs: dict[str, object], param: str) -> None:
@@ -122,6 +182,12 @@ def test_bad_requests_raise_before_taking_blocks(llm: LLM) -> None:
         engine.add_request("empty", [], SamplingParams())
     with pytest.raises(InvalidRequestError):
         engine.add_request("oov", [10**9], SamplingParams())
+    with pytest.raises(InvalidRequestError) as bad:
+        engine.add_request("bias", [5], SamplingParams(logit_bias={10**9: 1.0}))
+    assert bad.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError) as bad:
+        engine.add_request("stop", [5], SamplingParams(stop_token_ids=(10**9,)))
+    assert bad.value.param == "stop_token_ids"
     assert engine.stats().kv_blocks_used == used and not engine.has_unfinished()
 
 

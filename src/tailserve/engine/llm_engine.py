@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -107,7 +108,7 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         chunks = [
-            _chunk(req, n, table, i < plan.num_decodes)
+            _chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids)
             for i, ((req, n), table) in enumerate(zip(plan.scheduled, plan.block_tables, strict=True))
         ]
         start = time.monotonic()
@@ -144,13 +145,35 @@ class LLMEngine:
         return self.scheduler.estimate_wait_s(num_prompt_tokens, snap, time.monotonic())
 
 
-def _chunk(req: Request, n: int, block_table: list[int], decode: bool) -> SeqChunk:
-    c, p = req.num_computed_tokens, req.params
+def _chunk(req: Request, n: int, block_table: list[int], decode: bool, eos_ids: Iterable[int]) -> SeqChunk:
+    c = req.num_computed_tokens
     return SeqChunk(
         token_ids=req.token_ids[c : c + n],
         start_pos=c,
         block_table=block_table,
         sample=c + n == len(req.token_ids),
-        sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, req.generator),
+        sampling=_sampling_spec(req, eos_ids),
         decode=decode,
+    )
+
+
+def _sampling_spec(req: Request, eos_ids: Iterable[int]) -> SamplingSpec:
+    """The sampler's view of a request this step; end and stop tokens are banned until min_tokens."""
+    p = req.params
+    banned: tuple[int, ...] = ()
+    if req.num_output_tokens < p.min_tokens:
+        banned = p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids))
+    return SamplingSpec(
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        req.generator,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias) if p.logit_bias else None,
+        banned_token_ids=banned,
+        token_ids=req.token_ids,
+        num_prompt_tokens=req.num_prompt_tokens,
     )

@@ -25,11 +25,12 @@ class OutputProcessor:
         if t.first_token is None:
             t.first_token = now
         t.token_times.append(now)
+        may_stop = req.num_output_tokens > p.min_tokens  # min_tokens: the sampler banned stop tokens
         is_eos = token in self.tokenizer.eos_token_ids and not p.ignore_eos
-        if is_eos or token in p.stop_token_ids:
+        if may_stop and (is_eos or token in p.stop_token_ids):
             return "stop"
         req.text += req.detokenizer.add(token)
-        if p.stop and _cut_at_stop(req):
+        if may_stop and p.stop and _cut_at_stop(req):
             return "stop"
         if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
             return "length"

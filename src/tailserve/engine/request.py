@@ -25,12 +25,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit) pairs
+    min_tokens: int = 0  # end token, stop tokens and stop strings are held off until this many tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         _check(
             isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
             "max_tokens must be an integer",
@@ -63,6 +71,35 @@ class SamplingParams:
             "stop_token_ids must be non-negative integers",
             "stop_token_ids",
         )
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}", name)
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+            "repetition_penalty",
+        )
+        _check(
+            all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _finite(b) and -100 <= b <= 100
+                for t, b in self.logit_bias
+            ),
+            "logit_bias maps token ids to biases in [-100, 100]",
+            "logit_bias",
+        )
+        _check(
+            isinstance(self.min_tokens, int)
+            and not isinstance(self.min_tokens, bool)
+            and self.min_tokens >= 0,
+            "min_tokens must be a non-negative integer",
+            "min_tokens",
+        )
+        _check(
+            self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            "min_tokens",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +114,10 @@ def check_limits(prompt_token_ids: list[int], params: SamplingParams, vocab_size
         raise InvalidRequestError("the prompt is empty", param="prompt")
     if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in prompt_token_ids):
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    if any(t >= vocab_size for t, _ in params.logit_bias):
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     if n >= context:
         raise ContextLengthExceededError(
             f"the prompt has {n} tokens; this model's context is {context} "
