@@ -149,13 +149,16 @@ def test_rope_rotates_q_and_k_in_place_and_writes_k_v_to_their_slots(lib: ctypes
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 64), (8, 2, 128), (14, 2, 64), (4, 2, 48)]
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (8, 8, 64), (8, 2, 128), (14, 2, 64), (4, 2, 48), (32, 8, 64), (7, 1, 64)],
 )
 def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(
     lib: ctypes.CDLL, heads: int, kv_heads: int, dim: int
 ) -> None:
-    """Unequal lengths (inside a block, on a boundary, one token), blocks in shuffled order, any GQA
-    group (7 is past the fast path's 4) and head size (48 takes the portable loops)."""
+    """Unequal lengths (inside a block, on a boundary, one token), blocks in shuffled order, GQA
+    groups 1-7. With AMX, up to 16 heads take the tile path; 32 heads the AVX-512 one, and head
+    size 48 the portable loops."""
+    cpu_kernels.amx()  # the tile path is on wherever it can run
     bs, lens = 16, [1, 15, 16, 17, 100, 257]
     width = max(-(-n // bs) for n in lens) + 1  # a padded table, as the runner builds it
     num_blocks = len(lens) * width + 3

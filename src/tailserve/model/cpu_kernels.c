@@ -5,6 +5,7 @@
  * row's result never depends on the other rows of the batch. bf16 is carried as uint16_t and
  * rounded to nearest even, as torch does; arithmetic inside a kernel is float32.
  */
+#define _GNU_SOURCE /* syscall() */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -189,7 +190,7 @@ static inline __attribute__((always_inline)) void qk_avx512(
 /* out = sum_t p[t] v[t] for the GROUP query heads of one kv head, accumulators in registers. */
 static inline __attribute__((always_inline)) void pv_avx512(
     const float *p, const bf16 *v_cache, const int64_t *table, int64_t len, int64_t kv_width,
-    int64_t block_size, int64_t max_len, float *acc_out, int64_t group, int64_t dim) {
+    int64_t block_size, int64_t p_head_stride, int64_t p_key_stride, float *acc_out, int64_t group, int64_t dim) {
     __m512 acc[4][8];
     const int64_t n = dim / 16;
     for (int64_t j = 0; j < group; j++)
@@ -202,7 +203,7 @@ static inline __attribute__((always_inline)) void pv_avx512(
             __m512 vv[8];
             for (int64_t x = 0; x < n; x++) vv[x] = load16_bf16(vr + 16 * x);
             for (int64_t j = 0; j < group; j++) {
-                const __m512 pj = _mm512_set1_ps(p[j * max_len + t0 + t]);
+                const __m512 pj = _mm512_set1_ps(p[j * p_head_stride + (t0 + t) * p_key_stride]);
                 for (int64_t x = 0; x < n; x++) acc[j][x] = _mm512_fmadd_ps(pj, vv[x], acc[j][x]);
             }
         }
@@ -266,10 +267,10 @@ static inline __attribute__((always_inline)) void attend_one(
             const float *pg = scores + g * group * max_len;
             float *ag = acc + g * group * dim;
             switch (group) {
-            case 1: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 1, dim); break;
-            case 2: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 2, dim); break;
-            case 3: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 3, dim); break;
-            default: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, ag, 4, dim);
+            case 1: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 1, dim); break;
+            case 2: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 2, dim); break;
+            case 3: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 3, dim); break;
+            default: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 4, dim);
             }
         }
 #endif
@@ -287,39 +288,6 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t i = 0; i < heads * dim; i++) out[i] = f32_to_bf16(acc[i]);
 }
 
-/* One query token per sequence over its paged context, read in place from the cache (no gather).
- * q bf16 [seqs, heads, dim] with row stride q_stride (elements); caches bf16 [slots, kv_heads, dim];
- * block_tables int64 [seqs, table_width]; lens int64 [seqs]; out bf16 [seqs, heads, dim].
- * The cache is walked in slot order, each key row loaded once for the query heads of its group; the
- * scores are kept whole, so the softmax is exact (max, then exp and sum, then the weighted values). */
-void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
-                               const int64_t *block_tables, int64_t table_width, const int64_t *lens,
-                               bf16 *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                               int64_t block_size, float scale) {
-    int64_t max_len = 0;
-    for (int64_t s = 0; s < seqs; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
-    float *scores = (float *)malloc((size_t)(heads * max_len) * sizeof(float));
-    float *qf = (float *)malloc((size_t)(heads * dim) * sizeof(float));
-    float *acc = (float *)malloc((size_t)(heads * dim) * sizeof(float));
-    for (int64_t s = 0; s < seqs; s++) {
-        const bf16 *qs = q + s * q_stride;
-        const int64_t *table = block_tables + s * table_width;
-        bf16 *os = out + s * heads * dim;
-        if (dim == 64)
-            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 64, block_size, scale,
-                       scores, max_len, qf, acc);
-        else if (dim == 128)
-            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 128, block_size, scale,
-                       scores, max_len, qf, acc);
-        else
-            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, dim, block_size, scale,
-                       scores, max_len, qf, acc);
-    }
-    free(acc);
-    free(qf);
-    free(scores);
-}
-
 /* --- Matmuls on AMX tiles: int4 layer weights and the int8 LM head, exact to the file's blocks ---
  *
  * Both take bf16 activations x [rows, k] and weights in groups of 32 along k, each group of each
@@ -332,9 +300,12 @@ void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_ca
 #define TILE_N 16
 #define GROUP_K 32
 
+static int amx_ready = 0; /* set by ts_amx_init once the OS granted tile data */
+
 int ts_amx_init(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    amx_ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return amx_ready;
 #else
     return 0;
 #endif
@@ -348,26 +319,22 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Tile 0: C, rows x 16 float32; tile 1: A, rows x 32 bf16; tile 2: B, 16 k-pairs x 16 outputs. */
+/* Two tile sets, so one group's widening and epilogue overlap the other's tile work:
+ * tiles 0 / 3: C, rows x 16 float32; 1 / 4: A, rows x 32 bf16; 2 / 5: B, 16 k-pairs x 16 outputs. */
 static void amx_config(int64_t rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = (uint8_t)rows, c.colsb[0] = 64;
-    c.rows[1] = (uint8_t)rows, c.colsb[1] = 64;
-    c.rows[2] = 16, c.colsb[2] = 64;
+    for (int i = 0; i < 6; i++) {
+        c.rows[i] = i % 3 == 2 ? 16 : (uint8_t)rows;
+        c.colsb[i] = 64;
+    }
     _tile_loadconfig(&c);
 }
 
-/* acc[r] (16 outputs) += scale * (A x B)[r] (+ shifted_min * xsum[r]) for the tile in B. */
-static inline void amx_group(const bf16 *x, int64_t x_stride, const bf16 *b_tile, float *c_buf, float *acc,
-                             int64_t rows, const float *scale, const float *shifted_min, const float *xsum,
-                             int64_t xsum_stride) {
-    _tile_loadd(2, b_tile, 64);
-    _tile_loadd(1, x, x_stride * 2);
-    _tile_zero(0);
-    _tile_dpbf16ps(0, 1, 2);
-    _tile_stored(0, c_buf, 64);
+/* acc[r] (16 outputs) += scale * c[r] (+ shifted_min * xsum[r]): a group's float32 tile result scaled. */
+static inline void amx_epilogue(const float *c_buf, float *acc, int64_t rows, const float *scale,
+                                const float *shifted_min, const float *xsum, int64_t xsum_stride) {
     const __m512 d = _mm512_loadu_ps(scale);
     if (shifted_min != NULL) {
         const __m512 m = _mm512_loadu_ps(shifted_min);
@@ -379,6 +346,168 @@ static inline void amx_group(const bf16 *x, int64_t x_stride, const bf16 *b_tile
         for (int64_t r = 0; r < rows; r++)
             _mm512_storeu_ps(acc + r * 16, _mm512_fmadd_ps(d, _mm512_loadu_ps(c_buf + r * 16), _mm512_loadu_ps(acc + r * 16)));
     }
+}
+
+/* One group's B tile from its 8 packed k-quads (q4) or 16 k-pair rows (q8). */
+static inline void widen_q4_group(const uint8_t *w, bf16 *b_tile) {
+    const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
+    for (int64_t c = 0; c < 8; c++) {
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + c * 32)));
+        _mm512_store_si512(b_tile + (2 * c) * 32, _mm512_ternarylogic_epi32(words, low, magic, 0xEA));
+        _mm512_store_si512(b_tile + (2 * c + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(words, 4), magic));
+    }
+}
+
+static inline void widen_q8_group(const int8_t *w, bf16 *b_tile) {
+    for (int64_t i = 0; i < 16; i++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i * 32));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+        _mm512_store_si512(b_tile + i * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* acc [rows, 16] += the tile's outputs over all groups: groups two at a time on the two tile sets.
+ * q4 (w uint8, 256 bytes a group, with shifted_min and xsum) or q8 (w int8, 512 bytes a group). */
+static inline void amx_tile(const bf16 *x, int64_t k, const void *w, int q4, const float *scale,
+                            const float *shifted_min, const float *xsum, float *acc, int64_t rows) {
+    const int64_t groups = k / GROUP_K, group_bytes = q4 ? 256 : 512;
+    bf16 b0[16 * 32] __attribute__((aligned(64))), b1[16 * 32] __attribute__((aligned(64)));
+    float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
+    const uint8_t *wb = (const uint8_t *)w;
+    int64_t g = 0;
+    for (; g + 1 < groups; g += 2) {
+        if (q4) {
+            widen_q4_group(wb + g * group_bytes, b0);
+            widen_q4_group(wb + (g + 1) * group_bytes, b1);
+        } else {
+            widen_q8_group((const int8_t *)wb + g * group_bytes, b0);
+            widen_q8_group((const int8_t *)wb + (g + 1) * group_bytes, b1);
+        }
+        _tile_loadd(2, b0, 64);
+        _tile_loadd(5, b1, 64);
+        _tile_loadd(1, x + g * GROUP_K, k * 2);
+        _tile_loadd(4, x + (g + 1) * GROUP_K, k * 2);
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_stored(0, c0, 64);
+        _tile_stored(3, c1, 64);
+        amx_epilogue(c0, acc, rows, scale + g * 16, shifted_min ? shifted_min + g * 16 : NULL, xsum ? xsum + g : NULL, groups);
+        amx_epilogue(c1, acc, rows, scale + (g + 1) * 16, shifted_min ? shifted_min + (g + 1) * 16 : NULL,
+                     xsum ? xsum + g + 1 : NULL, groups);
+    }
+    if (g < groups) {
+        if (q4)
+            widen_q4_group(wb + g * group_bytes, b0);
+        else
+            widen_q8_group((const int8_t *)wb + g * group_bytes, b0);
+        _tile_loadd(2, b0, 64);
+        _tile_loadd(1, x + g * GROUP_K, k * 2);
+        _tile_zero(0);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_stored(0, c0, 64);
+        amx_epilogue(c0, acc, rows, scale + g * 16, shifted_min ? shifted_min + g * 16 : NULL, xsum ? xsum + g : NULL, groups);
+    }
+}
+
+/* Decode attention with the scores on AMX: per block of 16 keys, S^T = K q^T is one tile product
+ * per kv head and 32 dims (A: 16 cache rows read in place, B: that head group's q, transposed into
+ * the tile's pair layout, zeros elsewhere), all kv heads summed into one 16 keys x 16 heads tile,
+ * so no horizontal sums. Scores are [keys][16] float32; softmax runs over all heads at once; values
+ * stay on AVX-512 FMAs. Needs heads <= 16, dim % 32 == 0, block_size % 16 == 0 (1: it ran). */
+static inline __m512 exp512(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n); /* 2^t = 2^n * 2^f, |f| <= 1/2; 2^f = e^(f ln 2), Taylor to f^7 */
+    __m512 p = _mm512_set1_ps(1.5252734e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+
+static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table,
+                          int64_t len, bf16 *out, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t block_size, float scale, float *scores, float *acc) {
+    if (!amx_ready || heads > 16 || dim % 32 != 0 || dim > 256 || block_size % 16 != 0) return 0;
+    const int64_t group = heads / kv_heads, kv_width = kv_heads * dim, chunks = dim / 32;
+    bf16 *bq = (bf16 *)aligned_alloc(64, (size_t)(kv_heads * chunks * 512) * sizeof(bf16));
+    memset(bq, 0, (size_t)(kv_heads * chunks * 512) * sizeof(bf16));
+    for (int64_t g = 0; g < kv_heads; g++)
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t i = 0; i < 16; i++)
+                for (int64_t j = 0; j < group; j++) {
+                    const int64_t h = g * group + j;
+                    bf16 *row = bq + ((g * chunks + c) * 16 + i) * 32;
+                    row[2 * h] = q[h * dim + c * 32 + 2 * i];
+                    row[2 * h + 1] = q[h * dim + c * 32 + 2 * i + 1];
+                }
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const bf16 *keys = k_cache + (table[t0 / block_size] * block_size + t0 % block_size) * kv_width;
+        _tile_zero(0);
+        for (int64_t g = 0; g < kv_heads; g++)
+            for (int64_t c = 0; c < chunks; c++) {
+                _tile_loadd(1, keys + g * dim + c * 32, kv_width * 2);
+                _tile_loadd(2, bq + (g * chunks + c) * 512, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+        _tile_stored(0, scores + t0 * 16, 64); /* rows past len hold another sequence's keys: unused */
+    }
+    _tile_release();
+    free(bq);
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 top = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t t = 0; t < len; t++) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(scores + t * 16), sc);
+        _mm512_storeu_ps(scores + t * 16, v);
+        top = _mm512_max_ps(top, v);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t * 16), top));
+        _mm512_storeu_ps(scores + t * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, sum);
+    for (int64_t g = 0; g < kv_heads; g++) {
+        const float *pg = scores + g * group;
+        float *ag = acc + g * group * dim;
+        const bf16 *vg = v_cache + g * dim;
+        switch (group * 1000 + dim) { /* constant sizes keep the accumulators in registers */
+        case 1064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 1, 64); break;
+        case 2064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 2, 64); break;
+        case 3064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 3, 64); break;
+        case 4064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 4, 64); break;
+        case 1128: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 1, 128); break;
+        case 2128: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 2, 128); break;
+        default:
+            memset(ag, 0, (size_t)(group * dim) * sizeof(float));
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+                const bf16 *block = vg + table[t0 / block_size] * block_size * kv_width;
+                const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                for (int64_t t = 0; t < n; t++)
+                    axpy_group(ag, block + t * kv_width, pg + (t0 + t) * 16, 1, group, dim);
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = 1.0f / sums[h];
+        for (int64_t i = 0; i < dim; i++) out[h * dim + i] = f32_to_bf16(acc[h * dim + i] * inv);
+    }
+    return 1;
 }
 #endif
 
@@ -399,25 +528,14 @@ void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed,
             for (int64_t i = 0; i < GROUP_K; i++) s += bf16_to_f32(x[r * k + g * GROUP_K + i]);
             xsum[r * groups + g] = s;
         }
-    bf16 b_tile[16 * 32] __attribute__((aligned(64)));
-    float c_buf[16 * 16] __attribute__((aligned(64)));
     float acc[16 * 16] __attribute__((aligned(64)));
-    const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
         amx_config(mb);
         for (int64_t t = 0; t < tiles; t++) {
             memset(acc, 0, sizeof acc);
-            const uint8_t *w = packed + t * (k / 4) * 32;
-            for (int64_t g = 0; g < groups; g++) {
-                for (int64_t c = 0; c < 8; c++) {
-                    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + (g * 8 + c) * 32)));
-                    _mm512_store_si512(b_tile + (2 * c) * 32, _mm512_ternarylogic_epi32(words, low, magic, 0xEA));
-                    _mm512_store_si512(b_tile + (2 * c + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(words, 4), magic));
-                }
-                amx_group(x + m0 * k + g * GROUP_K, k, b_tile, c_buf, acc, mb, scale + (t * groups + g) * 16,
-                          shifted_min + (t * groups + g) * 16, xsum + m0 * groups + g, groups);
-            }
+            amx_tile(x + m0 * k, k, packed + t * (k / 4) * 32, 1, scale + t * groups * 16,
+                     shifted_min + t * groups * 16, xsum + m0 * groups, acc, mb);
             for (int64_t r = 0; r < mb; r++) {
                 __m512 out = _mm512_loadu_ps(acc + r * 16);
                 if (bias != NULL) out = _mm512_add_ps(out, load16_bf16(bias + t * 16));
@@ -439,25 +557,13 @@ void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, 
                   int64_t n_out, float *y) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
-    bf16 b_tile[16 * 32] __attribute__((aligned(64)));
-    float c_buf[16 * 16] __attribute__((aligned(64)));
     float acc[16 * 16] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
         amx_config(mb);
         for (int64_t t = 0; t < tiles; t++) {
             memset(acc, 0, sizeof acc);
-            const int8_t *w = packed + t * groups * 512;
-            for (int64_t g = 0; g < groups; g++) {
-                for (int64_t i = 0; i < 16; i++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + g * 512 + i * 32));
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
-                    _mm512_store_si512(b_tile + i * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-                }
-                amx_group(x + m0 * k + g * GROUP_K, k, b_tile, c_buf, acc, mb, scale + (t * groups + g) * 16,
-                          NULL, NULL, 0);
-            }
+            amx_tile(x + m0 * k, k, packed + t * groups * 512, 0, scale + t * groups * 16, NULL, NULL, acc, mb);
             for (int64_t r = 0; r < mb; r++) _mm512_storeu_ps(y + (m0 + r) * n_out + t * 16, _mm512_loadu_ps(acc + r * 16));
         }
     }
@@ -465,4 +571,47 @@ void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, 
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)n_out, (void)y;
 #endif
+}
+
+/* One query token per sequence over its paged context, read in place from the cache (no gather).
+ * q bf16 [seqs, heads, dim] with row stride q_stride (elements); caches bf16 [slots, kv_heads, dim];
+ * block_tables int64 [seqs, table_width]; lens int64 [seqs]; out bf16 [seqs, heads, dim].
+ * The cache is walked in slot order, each key row loaded once for the query heads of its group; the
+ * scores are kept whole, so the softmax is exact (max, then exp and sum, then the weighted values). */
+void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
+                               const int64_t *block_tables, int64_t table_width, const int64_t *lens,
+                               bf16 *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                               int64_t block_size, float scale) {
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < seqs; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
+    float *scores = (float *)malloc((size_t)(heads * max_len) * sizeof(float));
+    float *qf = (float *)malloc((size_t)(heads * dim) * sizeof(float));
+    float *acc = (float *)malloc((size_t)(heads * dim) * sizeof(float));
+    float *tile_scores = NULL;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    tile_scores = (float *)aligned_alloc(64, (size_t)((max_len + 16) * 16) * sizeof(float));
+#endif
+    for (int64_t s = 0; s < seqs; s++) {
+        const bf16 *qs = q + s * q_stride;
+        const int64_t *table = block_tables + s * table_width;
+        bf16 *os = out + s * heads * dim;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        if (attend_one_amx(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, dim, block_size, scale,
+                           tile_scores, acc))
+            continue;
+#endif
+        if (dim == 64)
+            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 64, block_size, scale,
+                       scores, max_len, qf, acc);
+        else if (dim == 128)
+            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 128, block_size, scale,
+                       scores, max_len, qf, acc);
+        else
+            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, dim, block_size, scale,
+                       scores, max_len, qf, acc);
+    }
+    free(tile_scores);
+    free(acc);
+    free(qf);
+    free(scores);
 }
