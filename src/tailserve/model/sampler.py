@@ -172,16 +172,45 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_top_k(logits: torch.Tensor, probs: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
-    """Top-k rows: the k best (one topk for the batch), then top-p / min-p on their renormalised mass."""
+    """Top-k rows: the k best (one topk for the batch), then top-p / min-p on their renormalised mass.
+
+    The draw is an exponential race over the kept tokens (argmax p / E, E ~ Exp(1)) whose noise is
+    a hash of (one draw from the row's generator, token id): a token keeps its noise when a
+    rounding-level change of the logits (a prefix-cache hit) swaps which near-equal tokens make the
+    top k, so the winner usually stays the winner.
+    """
     ks = torch.tensor([s.top_k for s in specs])[:, None]
     order = torch.topk(logits, int(ks.max()), dim=-1).indices  # sorted best first
     sorted_probs = probs.gather(1, order)
     sorted_probs = sorted_probs.masked_fill(torch.arange(order.shape[1])[None, :] >= ks, 0.0)
     cdf = sorted_probs.cumsum(-1)  # prefix sums: entries past a row's k never change its first k
-    last = _nucleus_len(sorted_probs, cdf, cdf.gather(1, ks - 1), specs).clamp(max=ks) - 1
-    target = _uniforms(specs, range(len(specs))) * cdf.gather(1, last)
-    picked = torch.minimum(torch.searchsorted(cdf, target), last)
-    return order.gather(1, picked)[:, 0]
+    keep = _nucleus_len(sorted_probs, cdf, cdf.gather(1, ks - 1), specs).clamp(max=ks)
+    kept = sorted_probs.masked_fill(torch.arange(order.shape[1])[None, :] >= keep, 0.0)
+    keys = torch.cat([torch.randint(0, 2**62, (1,), generator=s.generator) for s in specs])[:, None]
+    race = kept / _hashed_exponentials(order, keys)
+    return order.gather(1, race.argmax(-1, keepdim=True))[:, 0]
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _hashed_exponentials(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise per (row key, token id): splitmix64 of key + id x golden, wrapping int64 math."""
+    x = keys + ids * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    u = (_shr(x, 11).to(torch.float64) + 0.5) / float(1 << 53)  # in (0, 1)
+    return (-torch.log(u)).to(torch.float32)
 
 
 def _nucleus_len(
