@@ -65,6 +65,11 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("logprobs", {"model": TINY, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
     BadInput("negative temperature", {"model": TINY, "prompt": "a", "temperature": -1}, 400, "temperature"),
     BadInput("top_p past 1", {"model": TINY, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    BadInput("logit_bias key not an id", {"model": TINY, "prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    BadInput("logit_bias past the vocabulary", {"model": TINY, "prompt": "a", "logit_bias": {"999999999": 1}}, 400, "logit_bias"),
+    BadInput("stop_token_ids past the vocabulary", {"model": TINY, "prompt": "a", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    BadInput("min_tokens over max_tokens", {"model": TINY, "prompt": "a", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
+    BadInput("repetition_penalty 0", {"model": TINY, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     BadInput("unknown field", {"model": TINY, "prompt": "a", "unknown_knob": 1}, 400, "unknown_knob"),
     BadInput(
         "stream_options without stream",

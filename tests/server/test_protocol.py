@@ -95,9 +95,6 @@ def test_message_errors_point_into_the_list() -> None:
         ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"1": 5.0}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
@@ -146,6 +143,52 @@ def test_sampling_fields_reach_sampling_params() -> None:
     assert p.stop == ("x", "yz") and p.ignore_eos
     assert sampling_params(completion(stop="."), 2, 100, 1024).stop == (".",)
     assert sampling_params(completion(), 2, 100, 1024).max_tokens == 16  # the OpenAI completions default
+
+
+def test_penalties_min_p_min_tokens_bias_and_stop_ids_reach_sampling_params() -> None:
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "min_tokens": 3,
+        "stop_token_ids": [7, 9],
+        "logit_bias": {"12": 5.0, "3": -100},
+    }
+    for req in (completion(**fields), chat(**fields)):
+        p = sampling_params(req, 2, 100, 1024)
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.2)
+        assert (p.min_p, p.min_tokens, p.stop_token_ids) == (0.05, 3, (7, 9))
+        assert p.logit_bias == ((12, 5.0), (3, -100.0))
+
+
+def test_sdk_routine_fields_are_accepted_and_change_nothing() -> None:
+    plain = sampling_params(chat(), 2, 100, 1024)
+    routine = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "user": "u1"}
+    assert sampling_params(chat(**routine), 2, 100, 1024) == plain
+    streamed = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert streamed.stream_options is not None and streamed.stream_options.continuous_usage_stats
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+    ],
+)
+def test_bad_sampling_extensions_name_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        sampling_params(completion(**fields), 2, 100, 1024)
+    assert info.value.param == param
+    assert to_http(info.value).status == 400
 
 
 def test_chat_max_tokens_default_and_alias() -> None:

@@ -145,6 +145,74 @@ def test_streamed_text_equals_non_streamed_for_same_seed(tiny: str, chat: bool) 
     assert finish == [full.choices[0].finish_reason]
 
 
+X_ID = ord("x") + 3  # dummy:tiny's byte tokenizer: id = byte + 3
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_sampling_extensions_and_sdk_fields_over_http(tiny: str, chat: bool, stream: bool) -> None:
+    c = client(tiny)
+    common: dict[str, Any] = {
+        "model": TINY,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logit_bias": {str(X_ID): 100},
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.2,
+        "user": "u-1",
+        # vLLM's extensions: the stop id is the forced one, held off for min_tokens tokens
+        "extra_body": {"repetition_penalty": 1.1, "min_p": 0.1, "min_tokens": 3, "stop_token_ids": [X_ID]},
+    }
+    routine = {"store": False, "metadata": {"team": "eval"}, "service_tier": "auto"}
+    if chat:
+        common |= routine  # the client's own chat parameters
+    else:
+        common["extra_body"] |= routine  # sent by SDKs that share one body for both endpoints
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if chat:
+        r: Any = c.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}], stream=stream, **common
+        )
+    else:
+        r = c.completions.create(prompt="hello", stream=stream, **common)
+    if stream:
+        text, chunks = _stream_text(r, chat)
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        used = chunks[-1].usage
+    else:
+        choice = r.choices[0]
+        text = choice.message.content if chat else choice.text
+        finish, used = [choice.finish_reason], r.usage
+    assert finish == ["stop"]
+    assert used is not None and used.completion_tokens == 4  # 3 held tokens, then the stop id
+    assert "x" not in text
+    assert_idle(tiny)
+
+
+def test_logit_bias_forces_a_token(tiny: str) -> None:
+    r = client(tiny).completions.create(
+        model=TINY, prompt="hello", max_tokens=5, temperature=0, logit_bias={str(X_ID): 100}
+    )
+    assert r.choices[0].text == "xxxxx"
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(tiny: str) -> None:
+    body = {
+        "model": TINY,
+        "prompt": "abc",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{tiny}/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(e["usage"]["prompt_tokens"] == 3 for e in events if e["choices"])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
 def test_stream_without_usage_puts_timings_on_the_finish_chunk(tiny: str) -> None:
     with httpx.stream(
         "POST", f"{tiny}/v1/completions", json={"model": TINY, "prompt": "a", "max_tokens": 3, "stream": True}

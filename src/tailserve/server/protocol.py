@@ -30,9 +30,10 @@ M = TypeVar("M", bound=_Body)
 
 
 class StreamOptions(_Body):
-    """`stream_options`: only `include_usage` exists."""
+    """`stream_options`: OpenAI's `include_usage` and vLLM's `continuous_usage_stats` (usage on every chunk)."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _CommonRequest(_Body):
@@ -52,7 +53,15 @@ class _CommonRequest(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # end-user id, accepted and unused (it changes no output)
+    repetition_penalty: float | None = None  # extension, as vLLM
+    min_p: float | None = None  # extension
+    min_tokens: int | None = None  # extension
+    stop_token_ids: list[int] | None = None  # extension
+    # Accepted and unused: they change no output here (no stored completions, one service tier).
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -129,9 +138,6 @@ def _reject_unsupported(req: _CommonRequest) -> None:
     """Known OpenAI parameters with non-default values we do not implement get a 400."""
     checks: list[tuple[str, bool]] = [
         ("n", req.n not in (None, 1)),
-        ("presence_penalty", req.presence_penalty not in (None, 0.0)),
-        ("frequency_penalty", req.frequency_penalty not in (None, 0.0)),
-        ("logit_bias", bool(req.logit_bias)),
         ("stream_options", req.stream_options is not None and not req.stream),
     ]
     if isinstance(req, CompletionRequest):
@@ -242,10 +248,27 @@ def sampling_params(
             top_k=top_k or 0,
             seed=req.seed,
             stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
+            min_tokens=req.min_tokens or 0,
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
             exc.param = max_param
             exc.message = exc.message.replace("max_tokens", max_param)
         raise
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as text": bias} -> (id, bias) pairs; a key that is not an id is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise InvalidRequestError(f"Invalid key in 'logit_bias': {key!r} is not a token id", "logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)

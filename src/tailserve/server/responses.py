@@ -22,6 +22,7 @@ class Job:
     model: str
     created: int
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every text chunk
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
@@ -91,19 +92,24 @@ def role_chunk(job: Job) -> dict[str, Any]:
     return _chunk(job, [choice])
 
 
-def text_chunk(job: Job, text: str, finish_reason: str | None) -> dict[str, Any]:
-    """A chunk carrying new text and, on the last one, the finish reason."""
+def text_chunk(
+    job: Job, text: str, finish_reason: str | None, out: RequestOutput | None = None
+) -> dict[str, Any]:
+    """A chunk carrying new text and, on the last one, the finish reason (usage so far if continuous)."""
     if job.kind == "completion":
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     else:
         delta = {"content": text} if text or finish_reason is None else {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return _chunk(job, [choice])
+    body = _chunk(job, [choice])
+    if job.continuous_usage and out is not None:
+        body["usage"] = usage(out)
+    return body
 
 
 def final_chunks(job: Job, out: RequestOutput) -> list[dict[str, Any]]:
     """The finish-reason chunk, then the usage chunk when asked; the last one carries the timings."""
-    chunks = [text_chunk(job, out.new_text, out.finish_reason)]
+    chunks = [text_chunk(job, out.new_text, out.finish_reason, out)]
     if job.include_usage:
         chunks.append(_chunk(job, []) | {"usage": usage(out)})
     chunks[-1]["tailserve_timings"] = timings(out)

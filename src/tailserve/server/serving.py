@@ -78,10 +78,16 @@ class Serving:
         params = sampling_params(
             req, len(ids), self._engine.max_model_len, self._max_tokens_default, self._defaults
         )
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        options = req.stream_options
+        include_usage = options is not None and options.include_usage
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         job = Job(
-            f"{prefix}-{uuid.uuid4().hex}", kind, self._engine.model_name, int(time.time()), include_usage
+            f"{prefix}-{uuid.uuid4().hex}",
+            kind,
+            self._engine.model_name,
+            int(time.time()),
+            include_usage,
+            continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
         )
         return job, EngineInput(ids, params, req.stream, include_usage)
 
@@ -121,7 +127,7 @@ class Serving:
                 yield sse_event(role_chunk(job))
             while out is not None and not out.finished:
                 if out.new_text:
-                    yield sse_event(text_chunk(job, out.new_text, None))
+                    yield sse_event(text_chunk(job, out.new_text, None, out))
                 out = await anext(run.gen)
             if out is not None:
                 for chunk in final_chunks(job, out):
