@@ -550,6 +550,82 @@ void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed,
 #endif
 }
 
+/* Prompt rows from the same packed int4 groups: each group widened once per call to bf16 weights
+ * (scale * q + min in float32, rounded once: the values of the dense bf16 copy, which is therefore
+ * not kept), and the tile product summed over all groups in float32 with no per-group epilogue.
+ * For many rows (a prompt chunk) this is ~2x ts_q4_matmul's speed and on a par with oneDNN's bf16
+ * GEMM; decode rows keep the exact kernel. min is unshifted here. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+static inline void widen_q4_group_dense(const uint8_t *w, const float *scale, const float *min, bf16 *b_tile) {
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_loadu_ps(scale), m = _mm512_loadu_ps(min);
+    const __m512 d_lo = _mm512_permutexvar_ps(pairs_lo, d), d_hi = _mm512_permutexvar_ps(pairs_hi, d);
+    const __m512 m_lo = _mm512_permutexvar_ps(pairs_lo, m), m_hi = _mm512_permutexvar_ps(pairs_hi, m);
+    const __m512i low = _mm512_set1_epi16(0x000f);
+    for (int64_t c = 0; c < 8; c++) {
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + c * 32)));
+        const __m512i halves[2] = {_mm512_and_si512(words, low), _mm512_srli_epi16(words, 4)};
+        for (int h = 0; h < 2; h++) {
+            const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(halves[h])));
+            const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(halves[h], 1)));
+            const __m512 w_lo = _mm512_fmadd_ps(q_lo, d_lo, m_lo), w_hi = _mm512_fmadd_ps(q_hi, d_hi, m_hi);
+            _mm512_store_si512(b_tile + (2 * c + h) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+        }
+    }
+}
+#endif
+
+void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
+                          const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    /* Two output tiles at a time share each A tile: C tiles 0 and 3, A in 1, B in 2 and 5. */
+    const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
+    bf16 *widened = (bf16 *)aligned_alloc(64, (size_t)(2 * groups * 512) * sizeof(bf16));
+    float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
+    for (int64_t t = 0; t < tiles; t += 2) {
+        const int64_t pair = tiles - t >= 2 ? 2 : 1;
+        for (int64_t p = 0; p < pair; p++) {
+            const uint8_t *w = packed + (t + p) * (k / 4) * 32;
+            for (int64_t g = 0; g < groups; g++)
+                widen_q4_group_dense(w + g * 256, scale + ((t + p) * groups + g) * 16,
+                                     min + ((t + p) * groups + g) * 16, widened + (p * groups + g) * 512);
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
+            if (m0 == 0 || mb < 16) amx_config(mb);
+            const bf16 *xb = x + m0 * k;
+            _tile_zero(0);
+            _tile_zero(3);
+            for (int64_t g = 0; g < groups; g++) {
+                _tile_loadd(1, xb + g * GROUP_K, k * 2);
+                _tile_loadd(2, widened + g * 512, 64);
+                _tile_dpbf16ps(0, 1, 2);
+                if (pair == 2) {
+                    _tile_loadd(5, widened + (groups + g) * 512, 64);
+                    _tile_dpbf16ps(3, 1, 5);
+                }
+            }
+            _tile_stored(0, c0, 64);
+            _tile_stored(3, c1, 64);
+            for (int64_t p = 0; p < pair; p++) {
+                const float *c = p == 0 ? c0 : c1;
+                for (int64_t r = 0; r < mb; r++) {
+                    __m512 out = _mm512_loadu_ps(c + r * 16);
+                    if (bias != NULL) out = _mm512_add_ps(out, load16_bf16(bias + (t + p) * 16));
+                    _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n_out + (t + p) * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(out));
+                }
+            }
+        }
+    }
+    _tile_release();
+    free(widened);
+#else
+    (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)min, (void)bias, (void)n_out, (void)y;
+#endif
+}
+
 /* The LM head from Q8_0 groups: w = scale * q, q in -128..127; y float32 [rows, n_out].
  * Packed per 16 outputs and group: 16 rows of 32 bytes, row i byte 2j + e = output j's code for
  * k = 32 g + 2 i + e (the tile's pair layout). scale float32 [n_out / 16, k / 32, 16]. */

@@ -41,6 +41,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
     "ts_q8_matmul": [_P, _I, _I, _P, _P, _I, _P],
     "ts_q4_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
+    "ts_q4_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
 }
 
 

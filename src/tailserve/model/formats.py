@@ -31,9 +31,10 @@ PLANS = {
     # Decode rows on the weight-only int kernels, prompt rows on bf16 GEMMs (faster from ~16 rows).
     # The head is bf16 (it shares the embedding table): int8 is faster for 1-4 rows but 1.8x slower
     # at 16, and 4 bits there cost far more quality than they save (docs/ENGINE.md, CPU fast path).
-    # With the fused CPU kernels' AMX matmuls the head is q8: the file's Q8_0 groups, float32 sums
-    # (bf16 where AMX is missing; see plan_for).
-    "int4": FormatPlan(decode="int4", prefill="bf16", head="q8"),
+    # With the fused CPU kernels' AMX matmuls, prompt rows widen the same int4 groups to bf16 on the
+    # fly (no dense copy kept) and the head is q8: the file's Q8_0 groups, float32 sums. Where AMX
+    # is missing, plan_for makes both bf16.
+    "int4": FormatPlan(decode="int4", prefill="int4", head="q8"),
     "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
 }
 
@@ -61,10 +62,11 @@ def plan_for(
     many decodes through the prefill kernel (bf16): faster at large batches, see docs/ENGINE.md.
     """
     plan = PLANS[resolve_format(weight_format, device)]
-    head = head or plan.head
-    if head == "q8" and (device.type != "cpu" or cpu_kernels.amx() is None):
-        head = "bf16"
-    return FormatPlan(plan.decode, plan.prefill, head, dense_decode_from_rows)
+    head, prefill = head or plan.head, plan.prefill
+    if device.type != "cpu" or cpu_kernels.amx() is None:
+        head = "bf16" if head == "q8" else head
+        prefill = "bf16" if prefill == "int4" else prefill
+    return FormatPlan(plan.decode, prefill, head, dense_decode_from_rows)
 
 
 def activation_dtype(weight_format: str, device: torch.device) -> torch.dtype:

@@ -66,13 +66,21 @@ class Linear(nn.Module):
         super().__init__()
         # Opt-in and batch-dependent: steps with at least this many decode rows run them dense too.
         self.dense_decode_from_rows = dense_decode_from_rows
-        if decode not in KERNELS or prefill not in _DENSE_DTYPES or (prefill == "fp32") != (decode == "fp32"):
+        amx_prefill = prefill == "int4"  # prompt rows on the AMX kernel from the int4 groups, no dense copy
+        if (
+            decode not in KERNELS
+            or (prefill not in _DENSE_DTYPES and not (amx_prefill and decode == "int4"))
+            or (prefill == "fp32") != (decode == "fp32")
+        ):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
         self.out_features, self.in_features = source.dense.shape
-        self.activation_dtype = _DENSE_DTYPES[prefill]  # bf16 unless everything is fp32
-        # The dense copy serves prefill rows (and decode rows when decode is dense too).
-        self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
+        self.activation_dtype = torch.float32 if prefill == "fp32" else torch.bfloat16
+        # The dense copy serves prefill rows (and decode rows when decode is dense too); with
+        # prefill int4 the prompt rows widen the int4 groups to bf16 on the fly instead.
+        self.weight: nn.Parameter | None = None
+        if not amx_prefill:
+            self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
         # int4 runs on the fused kernels' AMX matmul where it can (exact to the groups' float32
         # scales), else on torch's int4 kernel (scales rounded to bf16). One of the two is kept.
         self.amx4: AmxInt4 | None = None
@@ -82,6 +90,8 @@ class Linear(nn.Module):
             lib = cpu_kernels.amx()
             self.amx4 = None if lib is None else pack_amx_int4(groups, lib, bias)
             self.int4 = pack_int4(groups) if self.amx4 is None else None
+        if amx_prefill and self.amx4 is None:
+            raise ValueError("prefill int4 needs the fused CPU kernels with AMX")
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
         self.bias = (
             None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
@@ -90,13 +100,19 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
         """x [T, K] contiguous, in the activation dtype; rows [0, num_decodes) are decodes."""
         dense_decodes = self.dense_decode_from_rows is not None and num_decodes >= self.dense_decode_from_rows
-        if self.decode_kernel == self.prefill_kernel or num_decodes == 0 or dense_decodes:
-            return F.linear(x, self.weight, self.bias)
+        same = self.decode_kernel == self.prefill_kernel and self.weight is not None
+        if same or num_decodes == 0 or dense_decodes:
+            return self.prefill_matmul(x)
         if num_decodes >= x.shape[0]:
             return self.decode_matmul(x)
-        return torch.cat(
-            [self.decode_matmul(x[:num_decodes]), F.linear(x[num_decodes:], self.weight, self.bias)]
-        )
+        return torch.cat([self.decode_matmul(x[:num_decodes]), self.prefill_matmul(x[num_decodes:])])
+
+    def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] contiguous through the prompt-row kernel: the dense copy, or the AMX int4 widening."""
+        if self.weight is None:
+            assert self.amx4 is not None
+            return self.amx4.prefill_matmul(x)
+        return F.linear(x, self.weight, self.bias)
 
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous through the decode kernel alone (what every decode row runs)."""
@@ -113,7 +129,7 @@ class Linear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of every stored form of the weight (for the load log)."""
-        kept: list[torch.Tensor] = [self.weight]
+        kept: list[torch.Tensor] = [] if self.weight is None else [self.weight]
         if self.int4 is not None:
             kept += [self.int4.packed, self.int4.scale_zeros]
         if self.amx4 is not None:

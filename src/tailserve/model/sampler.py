@@ -20,6 +20,10 @@ class SamplingSpec:
     `token_ids` is the sequence so far (prompt then output; the first `num_prompt_tokens` are the
     prompt): presence and frequency penalties count the output, the repetition penalty both.
     `banned_token_ids` get -inf this step (the engine bans end tokens until `min_tokens`).
+    With `logprobs` set (0-20), `sample` fills `logprob_result`: the drawn token's log-probability
+    and the `logprobs` most likely (token, log-probability) pairs, all under the model's own
+    distribution (log_softmax of the logits as they came in: before penalties, bias, temperature or
+    any truncation).
     """
 
     temperature: float = 0.0
@@ -34,6 +38,8 @@ class SamplingSpec:
     banned_token_ids: Sequence[int] = ()
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
+    logprobs: int | None = None
+    logprob_result: tuple[float, list[tuple[int, float]]] | None = None  # written by `sample`
 
     @property
     def penalised(self) -> bool:
@@ -42,6 +48,7 @@ class SamplingSpec:
 
 def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> list[int]:
     """One token id per row of `logits` [R, vocab] (float32); `logits` itself is never modified."""
+    raw = logits
     logits = adjust_logits(logits, specs)
     tokens = torch.empty(len(specs), dtype=torch.long)
     greedy = [i for i, s in enumerate(specs) if s.temperature == 0.0]
@@ -50,7 +57,27 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> list[int]:
         tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
     if drawn:
         tokens[drawn] = _draw(_rows(logits, drawn), [specs[i] for i in drawn])
+    if wanted := [i for i, s in enumerate(specs) if s.logprobs is not None]:
+        _fill_logprobs(raw, tokens, wanted, specs)
     return [int(t) for t in tokens.tolist()]
+
+
+def _fill_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], specs: Sequence[SamplingSpec]
+) -> None:
+    """log_softmax of the unadjusted logits: the drawn token's value and the top few, per asking row."""
+    logp = torch.log_softmax(_rows(logits, rows).float(), dim=-1)
+    chosen = logp.gather(1, tokens[rows][:, None])[:, 0].tolist()
+    most = max(specs[i].logprobs or 0 for i in rows)
+    top_vals, top_ids = (
+        torch.topk(logp, most, dim=-1)
+        if most
+        else (logp[:, :0], torch.zeros((len(rows), 0), dtype=torch.long))
+    )
+    vals, ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = specs[i].logprobs or 0
+        specs[i].logprob_result = (chosen[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
 
 
 def _rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -258,6 +258,7 @@ class AmxInt4:
     packed: torch.Tensor  # uint8 [N/16, K/4, 32]
     scale: torch.Tensor
     shifted_min: torch.Tensor
+    min: torch.Tensor  # the groups' own min (for the prompt-row kernel)
     bias: torch.Tensor | None  # bf16 [padded N]
     out_features: int
     in_features: int
@@ -273,21 +274,33 @@ class AmxInt4:
         )  # fmt: skip
         return y if padded == self.out_features else y[:, : self.out_features]
 
+    def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: the same groups widened to bf16 weights on the fly (the dense bf16 copy's
+        values, without the copy), float32 sums over all of K. -> [M, N] bf16."""
+        m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
+        y = torch.empty(m, padded, dtype=torch.bfloat16)
+        self.lib.ts_q4_prefill_matmul(
+            ptr(x), m, self.in_features, ptr(self.packed), ptr(self.scale), ptr(self.min),
+            None if self.bias is None else ptr(self.bias), padded, ptr(y),
+        )  # fmt: skip
+        return y if padded == self.out_features else y[:, : self.out_features]
+
 
 def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> AmxInt4:
     n, k = groups.codes.shape
     pad = -n % _TILE_N
     codes = torch.from_numpy(groups.codes)
     scale = torch.from_numpy(groups.scale)
-    shifted_min = torch.from_numpy(groups.zero) - 136.0 * scale  # min = zero - 8 scale; minus 128 scale
+    low = torch.from_numpy(groups.zero) - 8.0 * scale  # w = scale * q + min
     if pad:
         codes = F.pad(codes, (0, 0, 0, pad))
-        scale, shifted_min = F.pad(scale, (0, 0, 0, pad)), F.pad(shifted_min, (0, 0, 0, pad))
+        scale, low = F.pad(scale, (0, 0, 0, pad)), F.pad(low, (0, 0, 0, pad))
         bias = None if bias is None else F.pad(bias, (0, pad))
+    shifted_min = low - 128.0 * scale
     quads = codes.view(-1, _TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # [tiles, quads, 16, 4]
     packed = (quads[..., 0:2] | (quads[..., 2:4] << 4)).contiguous().view(-1, k // 4, 32)
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    return AmxInt4(packed, _tiles(scale), _tiles(shifted_min), b, n, k, lib)
+    return AmxInt4(packed, _tiles(scale), _tiles(shifted_min), _tiles(low), b, n, k, lib)
 
 
 @dataclass
