@@ -215,3 +215,28 @@ def test_unreadable_or_unsupported_models_raise_typed_errors(
         load_model("dummy:nope", dtype=__import__("torch").float32)
     with pytest.raises(ConfigError):
         engine_config(block_size=3)
+
+
+def test_logprobs_describe_the_raw_distribution(llm: LLM) -> None:
+    import math
+
+    prompt = ["The capital of Italy is"]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=5))[0]
+    assert len(greedy.logprobs) == len(greedy.token_ids) == 6
+    for token, lp in zip(greedy.token_ids, greedy.logprobs, strict=True):
+        assert lp.token_id == token and lp.top[0][0] == token  # greedy: the most likely token
+        assert lp.logprob == pytest.approx(lp.top[0][1], abs=1e-6)
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True) and len(lp.top) == 5
+        assert sum(math.exp(v) for _, v in lp.top) <= 1.0 + 1e-5
+    # Penalties, temperature and truncation change the draw, not the distribution logprobs report.
+    shaped = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=1, temperature=1.3, top_k=5, repetition_penalty=1.5, seed=1, logprobs=2),
+    )[0]
+    first = shaped.logprobs[0]
+    assert first.top == greedy.logprobs[0].top[:2]
+    assert dict(greedy.logprobs[0].top).get(first.token_id, first.logprob) == pytest.approx(
+        first.logprob, abs=1e-5
+    )
+    plain = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert plain.logprobs == [] and plain.token_ids == greedy.token_ids[:3]

@@ -17,7 +17,14 @@ import torch
 from tailserve.config import EngineConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.outputs import OutputProcessor
-from tailserve.engine.request import Request, RequestOutput, RequestTimings, SamplingParams, check_limits
+from tailserve.engine.request import (
+    Request,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprob,
+    check_limits,
+)
 from tailserve.engine.scheduler import Scheduler, StepPlan
 from tailserve.engine.stats import EngineStats, QueueSnapshot, StepStats, step_kind
 from tailserve.errors import InvalidRequestError
@@ -117,9 +124,11 @@ class LLMEngine:
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
         outputs: list[RequestOutput] = []
-        for (req, _), token in zip(plan.scheduled, sampled, strict=True):
+        for (req, _), chunk, token in zip(plan.scheduled, chunks, sampled, strict=True):
             if token is None:
                 continue
+            if (result := chunk.sampling.logprob_result) is not None:
+                req.logprobs.append(TokenLogprob(token, result[0], tuple(result[1])))
             reason = self.outputs.append_token(req, token, now)
             if reason is not None:
                 self.scheduler.finish(req, reason)
@@ -176,4 +185,5 @@ def _sampling_spec(req: Request, eos_ids: Iterable[int]) -> SamplingSpec:
         banned_token_ids=banned,
         token_ids=req.token_ids,
         num_prompt_tokens=req.num_prompt_tokens,
+        logprobs=p.logprobs,
     )

@@ -54,6 +54,8 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.timings.cached_tokens,
             timings=req.timings if finished else None,
+            new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if req.logprobs else [],
+            logprobs=list(req.logprobs) if finished else [],
         )
 
 

@@ -31,6 +31,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit) pairs
     min_tokens: int = 0  # end token, stop tokens and stop strings are held off until this many tokens
+    logprobs: int | None = None  # None: none; k in 0..20: each output token's logprob and the k most likely
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +95,16 @@ class SamplingParams:
             and self.min_tokens >= 0,
             "min_tokens must be a non-negative integer",
             "min_tokens",
+        )
+        _check(
+            self.logprobs is None
+            or (
+                isinstance(self.logprobs, int)
+                and not isinstance(self.logprobs, bool)
+                and 0 <= self.logprobs <= 20
+            ),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs}",
+            "logprobs",
         )
         _check(
             self.min_tokens <= self.max_tokens,
@@ -201,6 +212,16 @@ class RequestTimings:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the model's raw distribution, and the most likely
+    alternatives as (token id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What a caller sees after a step: the new tokens/text and, at the end, the timings."""
@@ -215,6 +236,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     timings: RequestTimings | None = None
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids, when asked
+    logprobs: list[TokenLogprob] = field(
+        default_factory=list
+    )  # for token_ids, when asked (final output only)
 
 
 @dataclass
@@ -234,6 +259,7 @@ class Request:
     detokenizer: Any = None
     text: str = ""  # decoded output so far (stop strings already cut)
     emitted_chars: int = 0  # how much of `text` callers have been given
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
 
     def __post_init__(self) -> None:
         if not self.token_ids:
