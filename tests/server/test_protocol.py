@@ -91,7 +91,6 @@ def test_message_errors_point_into_the_list() -> None:
     ("fields", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": 1}, "logprobs"),
         ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),
@@ -110,8 +109,6 @@ def test_unsupported_completion_parameters_are_refused(fields: dict[str, Any], p
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 3}, "n"),
     ],
@@ -189,6 +186,23 @@ def test_bad_sampling_extensions_name_the_field(fields: dict[str, Any], param: s
         sampling_params(completion(**fields), 2, 100, 1024)
     assert info.value.param == param
     assert to_http(info.value).status == 400
+
+
+def test_logprobs_fields_reach_sampling_params() -> None:
+    assert sampling_params(completion(logprobs=3), 2, 100, 1024).logprobs == 3
+    assert sampling_params(completion(logprobs=0), 2, 100, 1024).logprobs == 0
+    assert sampling_params(completion(), 2, 100, 1024).logprobs is None
+    assert sampling_params(chat(logprobs=True, top_logprobs=4), 2, 100, 1024).logprobs == 4
+    assert sampling_params(chat(logprobs=True), 2, 100, 1024).logprobs == 0
+    assert sampling_params(chat(logprobs=False), 2, 100, 1024).logprobs is None
+    for req, param in [
+        (chat(top_logprobs=2), "top_logprobs"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (completion(logprobs=21), "logprobs"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            sampling_params(req, 2, 100, 1024)
+        assert info.value.param == param
 
 
 def test_chat_max_tokens_default_and_alias() -> None:

@@ -190,6 +190,49 @@ def test_sampling_extensions_and_sdk_fields_over_http(tiny: str, chat: bool, str
     assert_idle(tiny)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_of_greedy_tokens_top_their_alternatives(tiny: str, stream: bool) -> None:
+    c = client(tiny)
+    kwargs: dict[str, Any] = {
+        "model": TINY,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    messages: Any = [{"role": "user", "content": "hello"}]
+    full = c.chat.completions.create(messages=messages, **kwargs)
+    content = full.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == full.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-6)
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob <= 0
+    if stream:
+        chunks = list(c.chat.completions.create(messages=messages, stream=True, **kwargs))
+        streamed = [
+            e
+            for ch in chunks
+            if ch.choices and ch.choices[0].logprobs
+            for e in ch.choices[0].logprobs.content or []
+        ]
+        assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_in_the_legacy_shape(tiny: str) -> None:
+    r = client(tiny).completions.create(model=TINY, prompt="abc", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == 6
+    )  # (dummy bytes: token texts need not join to the text)
+    assert lp.top_logprobs is not None and all(len(top) <= 2 for top in lp.top_logprobs)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # Greedy: no alternative beats the chosen token (keys are texts: dummy ids that decode alike merge).
+        assert 0 >= value >= max(top.values()) - 1e-6 and token in top
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
 def test_logit_bias_forces_a_token(tiny: str) -> None:
     r = client(tiny).completions.create(
         model=TINY, prompt="hello", max_tokens=5, temperature=0, logit_bias={str(X_ID): 100}

@@ -143,14 +143,11 @@ def _reject_unsupported(req: _CommonRequest) -> None:
     if isinstance(req, CompletionRequest):
         checks += [
             ("echo", req.echo),
-            ("logprobs", req.logprobs is not None),
             ("best_of", req.best_of not in (None, 1)),
             ("suffix", req.suffix is not None),
         ]
     if isinstance(req, ChatCompletionRequest):
         checks += [
-            ("logprobs", bool(req.logprobs)),
-            ("top_logprobs", req.top_logprobs is not None),
             ("tools", bool(req.tools)),
             ("tool_choice", req.tool_choice not in (None, "none", "auto")),
             ("functions", bool(req.functions)),
@@ -256,6 +253,7 @@ def sampling_params(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias),
             min_tokens=req.min_tokens or 0,
+            logprobs=_logprobs(req),
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
@@ -272,3 +270,16 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             raise InvalidRequestError(f"Invalid key in 'logit_bias': {key!r} is not a token id", "logit_bias")
         pairs.append((int(key), value))
     return tuple(pairs)
+
+
+def _logprobs(req: _CommonRequest) -> int | None:
+    """How many top alternatives each output token reports; None: no logprobs at all."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs  # the legacy shape: an integer, 0 for the chosen token only
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise InvalidRequestError("'top_logprobs' must be in [0, 20]", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return None

@@ -5,10 +5,11 @@ Pure functions from (job, output) to JSON-ready dicts: no I/O, no engine calls, 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tailserve.engine.request import RequestOutput
+from tailserve.engine.request import RequestOutput, TokenLogprob
 
 Kind = Literal["completion", "chat"]
 
@@ -23,6 +24,36 @@ class Job:
     created: int
     include_usage: bool
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every text chunk
+    token_text: Callable[[int], str] | None = None  # set when the request asked for logprobs
+
+
+def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs.content` shape, or the legacy completions shape (tokens,
+    token_logprobs, top_logprobs, text_offset); None when the request did not ask."""
+    text = job.token_text
+    if text is None:
+        return None
+    if job.kind == "chat":
+
+        def entry(tok: int, lp: float) -> dict[str, Any]:
+            t = text(tok)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+        content = [
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [text(lp.token_id) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(text_offset)
+        text_offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
@@ -53,9 +84,10 @@ def timings(out: RequestOutput) -> dict[str, float | int]:
 def full_response(job: Job, out: RequestOutput) -> dict[str, Any]:
     """The non-streamed body of /v1/completions or /v1/chat/completions."""
     if job.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": out.text, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "text": out.text, "logprobs": logprobs_json(job, out.logprobs)}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None}
+        message = {"role": "assistant", "content": out.text}
+        choice = {"index": 0, "message": message, "logprobs": logprobs_json(job, out.logprobs)}
     choice["finish_reason"] = out.finish_reason
     return {
         "id": job.request_id,
@@ -93,23 +125,34 @@ def role_chunk(job: Job) -> dict[str, Any]:
 
 
 def text_chunk(
-    job: Job, text: str, finish_reason: str | None, out: RequestOutput | None = None
+    job: Job,
+    text: str,
+    finish_reason: str | None,
+    out: RequestOutput | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A chunk carrying new text and, on the last one, the finish reason (usage so far if continuous)."""
     if job.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     else:
         delta = {"content": text} if text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     body = _chunk(job, [choice])
     if job.continuous_usage and out is not None:
         body["usage"] = usage(out)
     return body
 
 
-def final_chunks(job: Job, out: RequestOutput) -> list[dict[str, Any]]:
+def final_chunks(
+    job: Job, out: RequestOutput, logprobs: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The finish-reason chunk, then the usage chunk when asked; the last one carries the timings."""
-    chunks = [text_chunk(job, out.new_text, out.finish_reason, out)]
+    chunks = [text_chunk(job, out.new_text, out.finish_reason, out, logprobs)]
     if job.include_usage:
         chunks.append(_chunk(job, []) | {"usage": usage(out)})
     chunks[-1]["tailserve_timings"] = timings(out)

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tailserve.engine.request import RequestOutput
+from tailserve.engine.request import RequestOutput, TokenLogprob
 from tailserve.server.admission import Admission, Ticket
 from tailserve.server.engine_api import Engine
 from tailserve.server.errors import ModelNotFoundError, to_http
@@ -31,7 +31,15 @@ from tailserve.server.protocol import (
     sampling_params,
     validate_body,
 )
-from tailserve.server.responses import Job, Kind, final_chunks, full_response, role_chunk, text_chunk
+from tailserve.server.responses import (
+    Job,
+    Kind,
+    final_chunks,
+    full_response,
+    logprobs_json,
+    role_chunk,
+    text_chunk,
+)
 from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -88,6 +96,7 @@ class Serving:
             int(time.time()),
             include_usage,
             continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
+            token_text=(lambda t: tokenizer.decode([t])) if params.logprobs is not None else None,
         )
         return job, EngineInput(ids, params, req.stream, include_usage)
 
@@ -122,15 +131,21 @@ class Serving:
     async def _events(self, job: Job, first: RequestOutput, run: _Run) -> AsyncGenerator[bytes, None]:
         """SSE events from the first output to [DONE]; an engine error mid-stream becomes an error event."""
         out: RequestOutput | None = first
+        pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
+        offset = 0  # legacy completions' text_offset of the next token
         try:
             if job.kind == "chat":
                 yield sse_event(role_chunk(job))
             while out is not None and not out.finished:
+                pending += out.new_logprobs
                 if out.new_text:
-                    yield sse_event(text_chunk(job, out.new_text, None, out))
+                    lps = logprobs_json(job, pending, offset)
+                    offset += sum(len(t) for t in (lps or {}).get("tokens", []))
+                    pending = []
+                    yield sse_event(text_chunk(job, out.new_text, None, out, lps))
                 out = await anext(run.gen)
             if out is not None:
-                for chunk in final_chunks(job, out):
+                for chunk in final_chunks(job, out, logprobs_json(job, pending + out.new_logprobs, offset)):
                     yield sse_event(chunk)
             yield SSE_DONE
         except Exception as exc:
