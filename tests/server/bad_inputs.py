@@ -60,6 +60,8 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("prompt past the context", {"model": TINY, "prompt": "a" * 3000, "max_tokens": 1}, 400, "prompt"),
     BadInput("token id past the vocabulary", {"model": TINY, "prompt": [10**9]}, 400, "prompt"),
     BadInput("empty prompt", {"model": TINY, "prompt": ""}, 400, "prompt"),
+    BadInput("empty prompt in a list", {"model": TINY, "prompt": ["a", ""]}, 400, "prompt[1]"),
+    BadInput("a listed prompt past the context", {"model": TINY, "prompt": ["a", "a" * 3000], "max_tokens": 1}, 400, "prompt"),
     BadInput("unknown model", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
     BadInput("n 2", {"model": TINY, "prompt": "a", "n": 2}, 400, "n"),
     BadInput("logprobs over 20", {"model": TINY, "prompt": "a", "logprobs": 21}, 400, "logprobs"),

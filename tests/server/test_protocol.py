@@ -228,18 +228,16 @@ def test_value_ranges_come_from_sampling_params() -> None:
 
 
 def test_prompts_as_text_or_token_ids() -> None:
-    assert completion_prompt_ids(completion(prompt="hi"), TOK) == [104, 105]
-    assert completion_prompt_ids(completion(prompt=[5, 6, 7]), TOK) == [5, 6, 7]
-    assert completion_prompt_ids(completion(prompt=["hi"]), TOK) == [104, 105]
-    assert completion_prompt_ids(completion(prompt=[[1, 2]]), TOK) == [1, 2]
-    for prompt, param_cls in [
-        (["a", "b"], UnsupportedParameterError),
-        ("", InvalidRequestError),
-        ([], InvalidRequestError),
-    ]:
-        with pytest.raises(param_cls) as info:
+    assert completion_prompt_ids(completion(prompt="hi"), TOK) == [[104, 105]]
+    assert completion_prompt_ids(completion(prompt=[5, 6, 7]), TOK) == [[5, 6, 7]]
+    assert completion_prompt_ids(completion(prompt=["hi"]), TOK) == [[104, 105]]
+    assert completion_prompt_ids(completion(prompt=[[1, 2]]), TOK) == [[1, 2]]
+    assert completion_prompt_ids(completion(prompt=["a", "b"]), TOK) == [[97], [98]]
+    assert completion_prompt_ids(completion(prompt=[[1], [2, 3]]), TOK) == [[1], [2, 3]]
+    for prompt, param in [("", "prompt"), ([], "prompt"), (["a", ""], "prompt[1]"), (["a"] * 65, "prompt")]:
+        with pytest.raises(InvalidRequestError) as info:
             completion_prompt_ids(completion(prompt=prompt), TOK)
-        assert info.value.param == "prompt"
+        assert info.value.param == param
     with pytest.raises(InvalidRequestError):
         completion_prompt_ids(completion(prompt=[-1]), TOK)
 

@@ -233,6 +233,35 @@ def test_completion_logprobs_in_the_legacy_shape(tiny: str) -> None:
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_gets_one_choice_each_in_order(tiny: str, stream: bool) -> None:
+    c = client(tiny)
+    prompts = ["a", "bb", "ccc", "dddd"]
+    kwargs: dict[str, Any] = {"model": TINY, "max_tokens": 5, "temperature": 0.8, "seed": 9}
+    alone = [c.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    if stream:
+        texts = [""] * len(prompts)
+        finish: list[str | None] = [None] * len(prompts)
+        chunks = list(
+            c.completions.create(
+                prompt=prompts, stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        )
+        for ch in chunks:
+            for choice in ch.choices:
+                texts[choice.index] += choice.text
+                finish[choice.index] = choice.finish_reason or finish[choice.index]
+        used = chunks[-1].usage
+        assert finish == ["length"] * 4
+    else:
+        r = c.completions.create(prompt=prompts, **kwargs)
+        assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+        texts, used = [ch.text for ch in r.choices], r.usage
+    assert texts == alone
+    assert used is not None and used.prompt_tokens == 1 + 2 + 3 + 4 and used.completion_tokens == 20
+    assert_idle(tiny)
+
+
 def test_logit_bias_forces_a_token(tiny: str) -> None:
     r = client(tiny).completions.create(
         model=TINY, prompt="hello", max_tokens=5, temperature=0, logit_bias={str(X_ID): 100}

@@ -160,21 +160,29 @@ def _reject_unsupported(req: _CommonRequest) -> None:
             raise UnsupportedParameterError(f"Parameter '{param}' with this value is {what}", param)
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """A string or a list of token ids; a batch of more than one prompt is refused."""
+MAX_PROMPTS = 64  # prompts in one /v1/completions request; each runs as its own engine request
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """A string, a list of token ids, or a list of either (one choice each, in order)."""
     prompt: Any = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise UnsupportedParameterError(
-                "Batched prompts are not supported; send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise InvalidRequestError("'prompt' must not be empty", "prompt")
-    if any(t < 0 for t in ids):
-        raise InvalidRequestError("'prompt' token ids must be non-negative", "prompt")
-    return ids
+    prompts = (
+        prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+    )
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequestError(
+            f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}", "prompt"
+        )
+    out = []
+    for i, one in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        ids = tokenizer.encode(one) if isinstance(one, str) else list(one)
+        if not ids:
+            raise InvalidRequestError(f"'{param}' must not be empty", param)
+        if any(t < 0 for t in ids):
+            raise InvalidRequestError(f"'{param}' token ids must be non-negative", param)
+        out.append(ids)
+    return out
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:

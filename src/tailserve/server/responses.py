@@ -56,14 +56,17 @@ def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -
     }
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI `usage`, with `prompt_tokens_details.cached_tokens` from the prefix cache."""
-    completion = len(out.token_ids)
+def usage(out: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
+    """OpenAI `usage` (summed over the choices of a prompt list), with
+    `prompt_tokens_details.cached_tokens` from the prefix cache."""
+    outs = [out] if isinstance(out, RequestOutput) else out
+    prompt = sum(o.num_prompt_tokens for o in outs)
+    completion = sum(len(o.token_ids) for o in outs)
     return {
-        "prompt_tokens": out.num_prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": out.num_prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
     }
 
 
@@ -81,22 +84,27 @@ def timings(out: RequestOutput) -> dict[str, float | int]:
     }
 
 
-def full_response(job: Job, out: RequestOutput) -> dict[str, Any]:
-    """The non-streamed body of /v1/completions or /v1/chat/completions."""
-    if job.kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": out.text, "logprobs": logprobs_json(job, out.logprobs)}
-    else:
-        message = {"role": "assistant", "content": out.text}
-        choice = {"index": 0, "message": message, "logprobs": logprobs_json(job, out.logprobs)}
-    choice["finish_reason"] = out.finish_reason
+def full_response(job: Job, out: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
+    """The non-streamed body of /v1/completions or /v1/chat/completions; one choice per output, in
+    order (the timings are the first choice's)."""
+    outs = [out] if isinstance(out, RequestOutput) else list(out)
+    choices = []
+    for index, o in enumerate(outs):
+        lps = logprobs_json(job, o.logprobs)
+        if job.kind == "completion":
+            choice: dict[str, Any] = {"index": index, "text": o.text, "logprobs": lps}
+        else:
+            choice = {"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lps}
+        choice["finish_reason"] = o.finish_reason
+        choices.append(choice)
     return {
         "id": job.request_id,
         "object": "text_completion" if job.kind == "completion" else "chat.completion",
         "created": job.created,
         "model": job.model,
-        "choices": [choice],
-        "usage": usage(out),
-        "tailserve_timings": timings(out),
+        "choices": choices,
+        "usage": usage(outs),
+        "tailserve_timings": timings(outs[0]),
     }
 
 
@@ -130,18 +138,19 @@ def text_chunk(
     finish_reason: str | None,
     out: RequestOutput | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """A chunk carrying new text and, on the last one, the finish reason (usage so far if continuous)."""
     if job.kind == "completion":
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     else:
         delta = {"content": text} if text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     body = _chunk(job, [choice])
     if job.continuous_usage and out is not None:
         body["usage"] = usage(out)
@@ -153,7 +162,20 @@ def final_chunks(
 ) -> list[dict[str, Any]]:
     """The finish-reason chunk, then the usage chunk when asked; the last one carries the timings."""
     chunks = [text_chunk(job, out.new_text, out.finish_reason, out, logprobs)]
+    return _with_usage(job, chunks, [out])
+
+
+def _with_usage(
+    job: Job, chunks: list[dict[str, Any]], outs: Sequence[RequestOutput]
+) -> list[dict[str, Any]]:
+    """The usage chunk (summed over `outs`) when asked; the last chunk carries the first's timings."""
     if job.include_usage:
-        chunks.append(_chunk(job, []) | {"usage": usage(out)})
-    chunks[-1]["tailserve_timings"] = timings(out)
+        chunks.append(_chunk(job, []) | {"usage": usage(outs)})
+    chunks[-1]["tailserve_timings"] = timings(outs[0])
     return chunks
+
+
+def usage_chunks(job: Job, outs: Sequence[RequestOutput]) -> list[dict[str, Any]]:
+    """After every choice of a stream of several finished: the usage chunk if asked (timings on it),
+    else an empty-choices chunk with the timings."""
+    return _with_usage(job, [] if job.include_usage else [_chunk(job, [])], outs)

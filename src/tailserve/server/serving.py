@@ -7,6 +7,7 @@ for a non-streamed request.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
@@ -39,6 +40,7 @@ from tailserve.server.responses import (
     logprobs_json,
     role_chunk,
     text_chunk,
+    usage_chunks,
 )
 from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 
@@ -66,26 +68,28 @@ class Serving:
     async def handle(self, kind: Kind, request: Request) -> Response:
         """The whole request; typed errors propagate to the app's single error mapping."""
         self._admission.check_available()
-        job, inp = self.prepare(kind, await request.body())
-        return await self.respond(job, inp, request.receive)
+        job, inputs = self.prepare(kind, await request.body())
+        if len(inputs) > 1:
+            return await self.respond_many(job, inputs, request.receive)
+        return await self.respond(job, inputs[0], request.receive)
 
-    def prepare(self, kind: Kind, body: bytes) -> tuple[Job, EngineInput]:
-        """Body -> validated engine input; raises before anything is queued."""
+    def prepare(self, kind: Kind, body: bytes) -> tuple[Job, list[EngineInput]]:
+        """Body -> validated engine inputs (one per prompt of a list); raises before anything is queued."""
         data = parse_json(body)
         tokenizer = self._engine.tokenizer
         req: CompletionRequest | ChatCompletionRequest
         if kind == "completion":
             req = validate_body(CompletionRequest, data)
             self._check_model(req.model)
-            ids = completion_prompt_ids(req, tokenizer)
+            prompts = completion_prompt_ids(req, tokenizer)
         else:
             req = validate_body(ChatCompletionRequest, data)
             self._check_model(req.model)
-            ids = chat_prompt_ids(req, tokenizer)
+            prompts = [chat_prompt_ids(req, tokenizer)]
         # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
-        params = sampling_params(
-            req, len(ids), self._engine.max_model_len, self._max_tokens_default, self._defaults
-        )
+        limit, default = self._engine.max_model_len, self._max_tokens_default
+        all_params = [sampling_params(req, len(ids), limit, default, self._defaults) for ids in prompts]
+        params = all_params[0]
         options = req.stream_options
         include_usage = options is not None and options.include_usage
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
@@ -98,7 +102,10 @@ class Serving:
             continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
             token_text=(lambda t: tokenizer.decode([t])) if params.logprobs is not None else None,
         )
-        return job, EngineInput(ids, params, req.stream, include_usage)
+        inputs = [
+            EngineInput(ids, p, req.stream, include_usage) for ids, p in zip(prompts, all_params, strict=True)
+        ]
+        return job, inputs
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.model_name:
@@ -126,6 +133,85 @@ class Serving:
             return JSONResponse(full_response(job, final))
         finally:
             if not handed_over:
+                await run.close(final)
+
+    async def respond_many(self, job: Job, inputs: list[EngineInput], receive: Receive) -> Response:
+        """A list of prompts: one engine request each, all queued at once; one choice each, in order."""
+        closing = self._admission.drain.closing
+        runs: list[_Run] = []
+        handed_over = False
+        finals: list[RequestOutput] | None = None
+        try:
+            for i, inp in enumerate(inputs):
+                run = _Run(
+                    f"{job.request_id}-{i}",
+                    self._engine,
+                    self._metrics,
+                    self._admission.admit(len(inp.prompt_token_ids)),
+                )
+                runs.append(run)
+                run.gen = self._engine.generate(run.request_id, inp.prompt_token_ids, inp.params)
+            firsts = await until_disconnect(_all([anext(r.gen) for r in runs]), receive, closing)
+            if firsts is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            for run in runs:
+                run.ticket.started()
+            if inputs[0].stream:
+                handed_over = True
+                return SSEResponse(
+                    self._events_many(job, firsts, runs), on_close=_close_all(runs), closing=closing
+                )
+            work = _all([_last_output(f, r.gen) for f, r in zip(firsts, runs, strict=True)])
+            finals = await until_disconnect(work, receive, closing)
+            if finals is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(full_response(job, finals))
+        finally:
+            if not handed_over:
+                for i, run in enumerate(runs):
+                    await run.close(finals[i] if finals is not None else None)
+
+    async def _events_many(
+        self, job: Job, firsts: list[RequestOutput], runs: list[_Run]
+    ) -> AsyncGenerator[bytes, None]:
+        """SSE events of several choices as they come, each chunk naming its choice's index."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+        async def pump(i: int, out: RequestOutput) -> None:
+            await queue.put((i, out))
+            try:
+                while not out.finished:
+                    out = await anext(runs[i].gen)
+                    await queue.put((i, out))
+            except Exception as exc:  # handed to the event loop below, which ends the stream with it
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(firsts)]
+        finals: list[RequestOutput | None] = [None] * len(runs)
+        try:
+            while any(f is None for f in finals):
+                i, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                lps = logprobs_json(job, out.new_logprobs)
+                if out.finished:
+                    finals[i] = out
+                    yield sse_event(text_chunk(job, out.new_text, out.finish_reason, out, lps, i))
+                elif out.new_text:
+                    yield sse_event(text_chunk(job, out.new_text, None, out, lps, i))
+            for chunk in usage_chunks(job, [f for f in finals if f is not None]):
+                yield sse_event(chunk)
+            yield SSE_DONE
+        except Exception as exc:
+            http = to_http(exc)
+            self._metrics.errors.labels(status=str(http.status)).inc()
+            yield sse_event(http.body)
+            yield SSE_DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for run, final in zip(runs, finals, strict=True):
                 await run.close(final)
 
     async def _events(self, job: Job, first: RequestOutput, run: _Run) -> AsyncGenerator[bytes, None]:
@@ -164,9 +250,9 @@ class _Run:
     def __init__(self, request_id: str, engine: Engine, metrics: ServerMetrics, ticket: Ticket) -> None:
         self.request_id = request_id
         self.gen: AsyncIterator[RequestOutput] = _nothing()
+        self.ticket = ticket
         self._engine = engine
         self._metrics = metrics
-        self._ticket = ticket
         self._closed = False
 
     async def close(self, out: RequestOutput | None = None) -> None:
@@ -184,7 +270,30 @@ class _Run:
             if aclose is not None:
                 await aclose()
         finally:
-            self._ticket.done()
+            self.ticket.done()
+
+
+async def _all(work: list[Awaitable[RequestOutput]]) -> list[RequestOutput]:
+    """Every result, in order; on the first error the rest are cancelled before it propagates
+    (so no generator is still running when its run is closed)."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _close_all(runs: list[_Run]) -> Callable[[], Awaitable[None]]:
+    """The SSE response's on_close for several runs (each closes once)."""
+
+    async def close() -> None:
+        for run in runs:
+            await run.close()
+
+    return close
 
 
 async def _nothing() -> AsyncGenerator[RequestOutput, None]:
