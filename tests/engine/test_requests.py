@@ -240,3 +240,27 @@ def test_logprobs_describe_the_raw_distribution(llm: LLM) -> None:
     )
     plain = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert plain.logprobs == [] and plain.token_ids == greedy.token_ids[:3]
+
+
+def test_first_token_logprobs_equal_log_softmax_of_teacher_forced_logits(llm: LLM) -> None:
+    import torch
+
+    from tailserve.model.runner import SeqChunk
+    from tailserve.model.sampler import SamplingSpec
+
+    engine = llm.engine
+    prompt = engine.tokenizer.encode("The three primary colours are")
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))[0]
+    kv = engine.scheduler.kv
+    assert kv.allocate("reference", len(prompt))  # blocks of our own: no cached prefix is overwritten
+    try:
+        chunk = SeqChunk(prompt, 0, kv.block_table("reference"), True, SamplingSpec())
+        reference = torch.log_softmax(engine.runner.logits_for([chunk])[-1].float(), dim=-1)
+    finally:
+        kv.free("reference")
+    lp = out.logprobs[0]
+    assert lp.token_id == int(reference.argmax())
+    assert abs(lp.logprob - float(reference[lp.token_id])) < 1e-4
+    for token, value in lp.top:
+        assert abs(value - float(reference[token])) < 1e-4
+    assert [t for t, _ in lp.top] == reference.topk(20).indices.tolist()

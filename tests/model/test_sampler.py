@@ -163,3 +163,21 @@ def test_the_sort_fallback_draws_from_the_same_set(monkeypatch: pytest.MonkeyPat
     specs = [SamplingSpec(1.2, min_p=0.1, generator=torch.Generator().manual_seed(i)) for i in range(500)]
     tokens = torch.tensor(sample(logits, specs))
     assert bool((_reference_probs(logits[0], base)[tokens] > 0).all())
+
+
+def test_logprobs_come_from_the_logits_before_any_adjustment() -> None:
+    logits = _logits(3)
+    raw = torch.log_softmax(logits, dim=-1)
+    specs = [
+        SamplingSpec(logprobs=3, repetition_penalty=2.0, token_ids=[1, 2, 3]),
+        SamplingSpec(
+            0.5, top_k=4, generator=torch.Generator().manual_seed(1), logprobs=0, logit_bias={9: 50.0}
+        ),
+        SamplingSpec(),
+    ]
+    tokens = sample(logits, specs)
+    first, second = specs[0].logprob_result, specs[1].logprob_result
+    assert first is not None and second is not None and specs[2].logprob_result is None
+    assert first[0] == pytest.approx(float(raw[0, tokens[0]]), abs=1e-6)
+    assert [t for t, _ in first[1]] == raw[0].topk(3).indices.tolist()
+    assert second[0] == pytest.approx(float(raw[1, tokens[1]]), abs=1e-6) and second[1] == []
