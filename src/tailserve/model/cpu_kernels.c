@@ -691,3 +691,18 @@ void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_ca
     free(qf);
     free(scores);
 }
+
+/* Lay int4 codes [n_out, k] (one code a byte, 0..15; n_out a multiple of 16, k of 32) out as
+ * ts_q4_matmul reads them: per 16 outputs and k-quad c, byte 2j = code(j, 4c) | code(j, 4c + 2) << 4,
+ * byte 2j + 1 = code(j, 4c + 1) | code(j, 4c + 3) << 4. One pass (start-up packs every layer). */
+void ts_pack_q4(const uint8_t *codes, int64_t n_out, int64_t k, uint8_t *packed) {
+    for (int64_t t = 0; t < n_out / 16; t++)
+        for (int64_t c = 0; c < k / 4; c++) {
+            uint8_t *dst = packed + (t * (k / 4) + c) * 32;
+            for (int64_t j = 0; j < 16; j++) {
+                const uint8_t *src = codes + (t * 16 + j) * k + 4 * c;
+                dst[2 * j] = (uint8_t)((src[0] & 15) | (src[2] << 4));
+                dst[2 * j + 1] = (uint8_t)((src[1] & 15) | (src[3] << 4));
+            }
+        }
+}

@@ -159,13 +159,27 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        """`count` length-prefixed strings (a vocabulary: ~100k of them), in one tight loop."""
+        buf, pos = self.buf, self.pos
+        out: list[str] = []
+        unpack = struct.Struct("<Q").unpack_from
+        append = out.append
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8
+            append(buf[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             elem, count = self.u32(), self.u64()
             if elem == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if elem == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(count)]
             dtype = np.dtype(_NUMPY[elem])

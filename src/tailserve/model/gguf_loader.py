@@ -57,8 +57,11 @@ class GGUFWeights:
     tokenizer: Tokenizer
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> GGUFWeights:
-    """Parse the file once; return name, shapes, HF-named weights (dense and blocks) and the tokenizer."""
+def load_gguf(path: Path, dtype: torch.dtype, dense_q4: bool = True) -> GGUFWeights:
+    """Parse the file once; return name, shapes, HF-named weights (dense and blocks) and the tokenizer.
+
+    `dense_q4=False` leaves Q4_0 / Q4_1 tensors as shape-only (meta) dense entries: for a model that
+    runs them from their blocks alone (the int4 plan on AMX), which skips decoding ~100M weights."""
     gguf_file = read_gguf(path)
     meta = gguf_file.metadata
     arch = _arch_from_metadata(meta, path)
@@ -66,7 +69,12 @@ def load_gguf(path: Path, dtype: torch.dtype) -> GGUFWeights:
     if "lm_head.weight" not in blocks and not arch.tie_word_embeddings:
         arch = ArchConfig(**{**arch.__dict__, "tie_word_embeddings": True})
     check_weights(arch, {k: t.shape for k, t in blocks.items()}, str(path))
-    dense = {k: dequantize_tensor(t, dtype) for k, t in blocks.items()}
+    dense = {
+        k: dequantize_tensor(t, dtype)
+        if dense_q4 or t.type_name not in ("Q4_0", "Q4_1")
+        else torch.empty(t.shape, dtype=dtype, device="meta")
+        for k, t in blocks.items()
+    }
     quantized = {k: t for k, t in blocks.items() if t.type_name not in _FLOAT_TYPES}
     tokenizer = _tokenizer(meta, path, arch)
     name = path.name.removesuffix(".gguf").split(".")[0]

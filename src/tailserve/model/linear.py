@@ -49,7 +49,13 @@ def fuse(parts: list[WeightSource]) -> WeightSource:
         return parts[0]  # no copy
     exact = [p.int4 for p in parts]
     groups = concat_int4([g for g in exact if g is not None]) if all(g is not None for g in exact) else None
-    return WeightSource(torch.cat([p.dense for p in parts]), groups)
+    dense = [p.dense for p in parts]
+    if any(d.is_meta for d in dense):  # shapes only (no dense copy loaded): torch.cat on meta imports dynamo
+        rows = sum(d.shape[0] for d in dense)
+        fused = torch.empty(rows, *dense[0].shape[1:], dtype=dense[0].dtype, device="meta")
+    else:
+        fused = torch.cat(dense)
+    return WeightSource(fused, groups)
 
 
 class Linear(nn.Module):

@@ -61,8 +61,10 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(spec: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
-    """Load `default`, `dummy:<preset>`, a .gguf file or a Hugging Face model directory."""
+def load_model(spec: str, dtype: torch.dtype, seed: int = 0, dense_q4: bool = True) -> LoadedModel:
+    """Load `default`, `dummy:<preset>`, a .gguf file or a Hugging Face model directory.
+
+    `dense_q4=False`: a GGUF's Q4 tensors get no dense copy (see `gguf_loader.load_gguf`)."""
     start = time.perf_counter()
     blocks: dict[str, GGUFTensor] = {}
     if spec.startswith("dummy:"):
@@ -76,7 +78,7 @@ def load_model(spec: str, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
         if path.is_file() and path.suffix == ".gguf":
             from tailserve.model.gguf_loader import load_gguf
 
-            gguf = load_gguf(path, dtype)
+            gguf = load_gguf(path, dtype, dense_q4)
             name, arch, weights, tok, blocks = gguf.name, gguf.arch, gguf.dense, gguf.tokenizer, gguf.blocks
         elif path.is_dir():
             name, arch, weights, tok = _load_hf_dir(path, dtype)

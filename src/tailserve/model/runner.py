@@ -41,6 +41,11 @@ class SeqChunk:
     decode: bool = False
 
 
+def kv_pool_shape(arch: ArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[layers, K and V, slots, kv_heads, head_dim]: the one allocation the KV cache ever makes."""
+    return (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
+
+
 def kv_bytes_per_token(arch: ArchConfig, dtype: torch.dtype) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     return arch.kv_bytes_per_token_per_element * torch.tensor([], dtype=dtype).element_size()
@@ -58,6 +63,7 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
         cpu_kernels: bool = True,
+        kv_pool: torch.Tensor | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -68,8 +74,10 @@ class ModelRunner:
         self.backend: AttentionBackend = backend or TorchPagedAttention()
         dtype = kv_dtype or model.embed.dtype  # the KV cache may be narrower than the activations
         # One allocation for the whole pool; per-layer K/V are views. Nothing is allocated per request.
-        shape = (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
+        shape = kv_pool_shape(arch, num_blocks, block_size)
+        if kv_pool is not None and (kv_pool.shape != shape or kv_pool.dtype != dtype):
+            raise ValueError(f"kv_pool must be {dtype} {shape}, got {kv_pool.dtype} {tuple(kv_pool.shape)}")
+        self.kv_pool = kv_pool if kv_pool is not None else torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_pool[i, 0], self.kv_pool[i, 1]) for i in range(arch.num_layers)]
         # On CPU with the torch backend, bf16 models run their layers through the fused kernels
         # (model.cpu_fused) where they build; `cpu_kernels=False` keeps the op-by-op torch path.

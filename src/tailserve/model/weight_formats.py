@@ -95,7 +95,10 @@ def _blocks(t: GGUFTensor, block_bytes: int) -> np.ndarray:
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """16 packed bytes per block -> 32 codes: low nibbles are elements 0..15, high ones 16..31."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    out = np.empty((*qs.shape[:-1], 32), dtype=np.uint8)
+    np.bitwise_and(qs, 0x0F, out=out[..., :16])
+    np.right_shift(qs, 4, out=out[..., 16:])
+    return out
 
 
 def int4_from_blocks(t: GGUFTensor) -> Int4Groups | None:
@@ -297,8 +300,9 @@ def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | Non
         scale, low = F.pad(scale, (0, 0, 0, pad)), F.pad(low, (0, 0, 0, pad))
         bias = None if bias is None else F.pad(bias, (0, pad))
     shifted_min = low - 128.0 * scale
-    quads = codes.view(-1, _TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # [tiles, quads, 16, 4]
-    packed = (quads[..., 0:2] | (quads[..., 2:4] << 4)).contiguous().view(-1, k // 4, 32)
+    codes = codes.contiguous()
+    packed = torch.empty(codes.shape[0] // _TILE_N, k // 4, 32, dtype=torch.uint8)
+    lib.ts_pack_q4(ptr(codes), codes.shape[0], k, ptr(packed))
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     return AmxInt4(packed, _tiles(scale), _tiles(shifted_min), _tiles(low), b, n, k, lib)
 
