@@ -264,3 +264,34 @@ def test_first_token_logprobs_equal_log_softmax_of_teacher_forced_logits(llm: LL
     for token, value in lp.top:
         assert abs(value - float(reference[token])) < 1e-4
     assert [t for t, _ in lp.top] == reference.topk(20).indices.tolist()
+
+
+def test_forked_siblings_share_the_prompt_blocks_and_draw_their_own_tokens(llm: LLM) -> None:
+    engine = llm.engine
+    prompt = engine.tokenizer.encode("A list of fruits and vegetables that grow in the garden: " * 4)
+    bs = engine.scheduler.kv.block_size
+    assert len(prompt) > 3 * bs
+
+    def run(tag: str) -> tuple[list[list[int]], int]:
+        ids = [f"{tag}-{i}" for i in range(3)]
+        for i, rid in enumerate(ids):
+            params = SamplingParams(
+                max_tokens=8, temperature=1.0, seed=100 + i, fork_of=ids[0] if i else None
+            )
+            engine.add_request(rid, prompt, params)
+        outs: dict[str, list[int]] = {}
+        peak = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+            peak = max(peak, engine.stats().kv_blocks_used)
+        return [outs[rid] for rid in ids], peak
+
+    first, peak = run("fork-a")
+    again, _ = run("fork-b")
+    assert first == again and len({tuple(t) for t in first}) == 3
+    prompt_blocks = -(-len(prompt) // bs)
+    # Shared: one copy of the prompt's full blocks, plus each sibling's own tail and output blocks.
+    assert peak <= prompt_blocks + 3 * 2 < 3 * prompt_blocks
+    assert engine.stats().kv_blocks_used == 0

@@ -58,6 +58,7 @@ class LLMEngine:
         self.step_stats = StepStats(time.monotonic())
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
+        self._forks: dict[str, list[Request]] = {}  # parent id -> requests waiting to share its prompt
         self._rng = torch.Generator().manual_seed(config.model.seed)
 
     # ----- requests -------------------------------------------------------------------------
@@ -88,13 +89,21 @@ class LLMEngine:
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         self._requests[request_id] = req
-        self.scheduler.add(req)
+        parent = self._requests.get(params.fork_of or "")
+        if parent is not None and parent is not req and parent.prompt_token_ids == req.prompt_token_ids:
+            self._forks.setdefault(parent.request_id, []).append(req)
+        else:
+            self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; None if it is unknown or done."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
+        self._release_forks(req)
+        for waiting in self._forks.values():
+            if req in waiting:
+                waiting.remove(req)
         self.scheduler.finish(req, "abort")
         req.timings.finish = time.monotonic()
         return self.outputs.output(req, [], finished=True)
@@ -123,6 +132,9 @@ class LLMEngine:
         now = time.monotonic()
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
+        for req, _ in plan.scheduled:
+            if req.request_id in self._forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork_prompt(req, now)
         outputs: list[RequestOutput] = []
         for (req, _), chunk, token in zip(plan.scheduled, chunks, sampled, strict=True):
             if token is None:
@@ -131,6 +143,7 @@ class LLMEngine:
                 req.logprobs.append(TokenLogprob(token, result[0], tuple(result[1])))
             reason = self.outputs.append_token(req, token, now)
             if reason is not None:
+                self._release_forks(req)
                 self.scheduler.finish(req, reason)
                 req.timings.finish = now
                 self._requests.pop(req.request_id, None)
@@ -138,6 +151,23 @@ class LLMEngine:
         kind = step_kind(plan.num_decodes, len(plan.scheduled))
         self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
         return outputs
+
+    def _fork_prompt(self, parent: Request, now: float) -> None:
+        """The parent's prompt is computed: its waiting siblings take its full blocks by reference and
+        start running; each recomputes only the tokens of the partial last block (its own first
+        sample needs that last position's logits)."""
+        shared = (parent.num_prompt_tokens - 1) // self.scheduler.kv.block_size * self.scheduler.kv.block_size
+        for child in self._forks.pop(parent.request_id, []):
+            if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+                self.scheduler.add(child)  # the batch is full: it queues (and still hits the prefix cache)
+                continue
+            self.scheduler.kv.fork(parent.request_id, child.request_id, shared)  # full blocks only: no copy
+            self.scheduler.start_running(child, shared, now)
+
+    def _release_forks(self, parent: Request) -> None:
+        """The parent ends before its prompt was shared: its siblings queue as ordinary requests."""
+        for child in self._forks.pop(parent.request_id, []):
+            self.scheduler.add(child)
 
     # ----- what the server reads -------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -32,6 +32,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit) pairs
     min_tokens: int = 0  # end token, stop tokens and stop strings are held off until this many tokens
     logprobs: int | None = None  # None: none; k in 0..20: each output token's logprob and the k most likely
+    # n > 1: the id of the request whose prompt (the same ids) this one shares. It waits until that
+    # prompt is computed, then takes its full KV blocks by reference (KVCacheManager.fork).
+    fork_of: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -138,6 +138,15 @@ class Scheduler:
         self.running.append(req)
         return n
 
+    def start_running(self, req: Request, num_computed: int, now: float) -> None:
+        """Run a request whose first `num_computed` tokens' blocks it already holds (a fork)."""
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        req.timings.cached_tokens = num_computed
+        req.timings.first_scheduled = now
+        self.kv.count_lookup(len(req.token_ids), num_computed)
+        self.running.append(req)
+
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and put it back at the head of the queue, to be recomputed."""
         self.running.remove(req)
