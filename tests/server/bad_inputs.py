@@ -63,7 +63,7 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("empty prompt in a list", {"model": TINY, "prompt": ["a", ""]}, 400, "prompt[1]"),
     BadInput("a listed prompt past the context", {"model": TINY, "prompt": ["a", "a" * 3000], "max_tokens": 1}, 400, "prompt"),
     BadInput("unknown model", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
-    BadInput("n 2", {"model": TINY, "prompt": "a", "n": 2}, 400, "n"),
+    BadInput("n over 16", {"model": TINY, "prompt": "a", "n": 17}, 400, "n"),
     BadInput("logprobs over 20", {"model": TINY, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
     BadInput("top_logprobs over 20", {"model": TINY, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "/v1/chat/completions"),
     BadInput("negative temperature", {"model": TINY, "prompt": "a", "temperature": -1}, 400, "temperature"),

@@ -90,7 +90,6 @@ def test_message_errors_point_into_the_list() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
         ({"echo": True}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "x"}, "suffix"),
@@ -110,7 +109,6 @@ def test_unsupported_completion_parameters_are_refused(fields: dict[str, Any], p
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"n": 3}, "n"),
     ],
 )
 def test_unsupported_chat_parameters_are_refused(fields: dict[str, Any], param: str) -> None:
@@ -203,6 +201,21 @@ def test_logprobs_fields_reach_sampling_params() -> None:
         with pytest.raises(InvalidRequestError) as info:
             sampling_params(req, 2, 100, 1024)
         assert info.value.param == param
+
+
+def test_n_fans_out_forks_with_consecutive_seeds() -> None:
+    from tailserve.server.protocol import choices_per_prompt, fan_out
+
+    req = completion(n=3, seed=5)
+    params = sampling_params(req, 2, 100, 1024)
+    inputs = fan_out([[1, 2], [3]], [params, params], choices_per_prompt(req), "cmpl-x", False, False)
+    assert [i.params.seed for i in inputs] == [5, 6, 7, 5, 6, 7]
+    assert [i.params.fork_of for i in inputs] == [None, "cmpl-x-0", "cmpl-x-0", None, "cmpl-x-3", "cmpl-x-3"]
+    assert [i.shares_prompt for i in inputs] == [False, True, True, False, True, True]
+    for n in (0, 17):
+        with pytest.raises(InvalidRequestError) as info:
+            choices_per_prompt(chat(n=n))
+        assert info.value.param == "n"
 
 
 def test_chat_max_tokens_default_and_alias() -> None:

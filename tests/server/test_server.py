@@ -262,6 +262,49 @@ def test_a_list_of_prompts_gets_one_choice_each_in_order(tiny: str, stream: bool
     assert_idle(tiny)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_share_the_prompt_and_are_reproducible_as_a_set(tiny: str, chat: bool) -> None:
+    c = client(tiny)
+    kwargs: dict[str, Any] = {"model": TINY, "max_tokens": 12, "temperature": 1.0, "seed": 21, "n": 3}
+    messages: Any = [{"role": "user", "content": "tell me something"}]
+
+    def texts() -> tuple[list[str], Any]:
+        if chat:
+            r: Any = c.chat.completions.create(messages=messages, **kwargs)
+            return [ch.message.content for ch in r.choices], r
+        r = c.completions.create(prompt="tell me something", **kwargs)
+        return [ch.text for ch in r.choices], r
+
+    first, r = texts()
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and len(set(first)) == 3
+    assert texts()[0] == first
+    one = c.completions.create(model=TINY, prompt="tell me something", max_tokens=1) if not chat else None
+    if one is not None:
+        assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt is counted once, not n times
+    assert 3 <= r.usage.completion_tokens <= 36
+    assert_idle(tiny)
+
+
+def test_n_streams_by_index_and_holds_one_copy_of_the_prompt_blocks(tiny: str) -> None:
+    prompt = "x" * 400  # 25 full blocks of 16 byte tokens
+    body = {"model": TINY, "prompt": prompt, "max_tokens": 48, "n": 4, "stream": True, "temperature": 1.0}
+    peak = 0.0
+    texts = [""] * 4
+    with httpx.stream("POST", f"{tiny}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["text"]
+            peak = max(peak, value(tiny, "tailserve_kv_blocks_used"))
+    prompt_blocks = 400 // 16 + 1
+    # One copy of the prompt plus each choice's tail and output blocks; four copies would be > 100.
+    assert 0 < peak <= prompt_blocks + 4 * (48 // 16 + 2) < 4 * prompt_blocks
+    assert len(set(texts)) == 4
+    assert_idle(tiny)
+
+
 def test_logit_bias_forces_a_token(tiny: str) -> None:
     r = client(tiny).completions.create(
         model=TINY, prompt="hello", max_tokens=5, temperature=0, logit_bias={str(X_ID): 100}

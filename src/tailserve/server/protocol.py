@@ -6,6 +6,7 @@ silently ignores a parameter it does not implement and never touches engine stat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -105,6 +106,40 @@ class EngineInput:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    shares_prompt: bool = False  # one of n > 1 choices after the first: its prompt is counted once
+
+
+MAX_N = 16  # choices per prompt
+
+
+def choices_per_prompt(req: _CommonRequest) -> int:
+    """`n`, checked: 1 to MAX_N."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    return n
+
+
+def fan_out(
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    n: int,
+    request_id: str,
+    stream: bool,
+    include_usage: bool,
+) -> list[EngineInput]:
+    """n engine requests per prompt, choice index = prompt x n + j; the j > 0 fork the j = 0 one's
+    prompt KV (engine request ids are `{request_id}-{index}`) and seed + j when a seed is given."""
+    out = []
+    for k, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        for j in range(n):
+            seed = p.seed
+            if seed is not None and j:
+                seed = seed + j if seed + j <= SEED_RANGE[1] else seed - j
+            fork_of = f"{request_id}-{k * n}" if j else None
+            one = dataclasses.replace(p, seed=seed, fork_of=fork_of)
+            out.append(EngineInput(ids, one, stream, include_usage, shares_prompt=j > 0))
+    return out
 
 
 def validate_body(model: type[M], data: dict[str, Any]) -> M:
@@ -137,7 +172,6 @@ def _param_name(loc: tuple[int | str, ...]) -> str:
 def _reject_unsupported(req: _CommonRequest) -> None:
     """Known OpenAI parameters with non-default values we do not implement get a 400."""
     checks: list[tuple[str, bool]] = [
-        ("n", req.n not in (None, 1)),
         ("stream_options", req.stream_options is not None and not req.stream),
     ]
     if isinstance(req, CompletionRequest):

@@ -56,17 +56,20 @@ def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -
     }
 
 
-def usage(out: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
-    """OpenAI `usage` (summed over the choices of a prompt list), with
-    `prompt_tokens_details.cached_tokens` from the prefix cache."""
+def usage(
+    out: RequestOutput | Sequence[RequestOutput], prompt_counted: Sequence[bool] | None = None
+) -> dict[str, Any]:
+    """OpenAI `usage` summed over the choices; a prompt shared by n choices counts once
+    (`prompt_counted` False for the others), with `cached_tokens` from the prefix cache."""
     outs = [out] if isinstance(out, RequestOutput) else out
-    prompt = sum(o.num_prompt_tokens for o in outs)
+    counted = [o for o, c in zip(outs, prompt_counted or [True] * len(outs), strict=True) if c]
+    prompt = sum(o.num_prompt_tokens for o in counted)
     completion = sum(len(o.token_ids) for o in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in counted)},
     }
 
 
@@ -84,7 +87,9 @@ def timings(out: RequestOutput) -> dict[str, float | int]:
     }
 
 
-def full_response(job: Job, out: RequestOutput | Sequence[RequestOutput]) -> dict[str, Any]:
+def full_response(
+    job: Job, out: RequestOutput | Sequence[RequestOutput], prompt_counted: Sequence[bool] | None = None
+) -> dict[str, Any]:
     """The non-streamed body of /v1/completions or /v1/chat/completions; one choice per output, in
     order (the timings are the first choice's)."""
     outs = [out] if isinstance(out, RequestOutput) else list(out)
@@ -103,7 +108,7 @@ def full_response(job: Job, out: RequestOutput | Sequence[RequestOutput]) -> dic
         "created": job.created,
         "model": job.model,
         "choices": choices,
-        "usage": usage(outs),
+        "usage": usage(outs, prompt_counted),
         "tailserve_timings": timings(outs[0]),
     }
 
@@ -166,16 +171,21 @@ def final_chunks(
 
 
 def _with_usage(
-    job: Job, chunks: list[dict[str, Any]], outs: Sequence[RequestOutput]
+    job: Job,
+    chunks: list[dict[str, Any]],
+    outs: Sequence[RequestOutput],
+    prompt_counted: Sequence[bool] | None = None,
 ) -> list[dict[str, Any]]:
     """The usage chunk (summed over `outs`) when asked; the last chunk carries the first's timings."""
     if job.include_usage:
-        chunks.append(_chunk(job, []) | {"usage": usage(outs)})
+        chunks.append(_chunk(job, []) | {"usage": usage(outs, prompt_counted)})
     chunks[-1]["tailserve_timings"] = timings(outs[0])
     return chunks
 
 
-def usage_chunks(job: Job, outs: Sequence[RequestOutput]) -> list[dict[str, Any]]:
+def usage_chunks(
+    job: Job, outs: Sequence[RequestOutput], prompt_counted: Sequence[bool] | None = None
+) -> list[dict[str, Any]]:
     """After every choice of a stream of several finished: the usage chunk if asked (timings on it),
     else an empty-choices chunk with the timings."""
-    return _with_usage(job, [] if job.include_usage else [_chunk(job, [])], outs)
+    return _with_usage(job, [] if job.include_usage else [_chunk(job, [])], outs, prompt_counted)

@@ -28,7 +28,9 @@ from tailserve.server.protocol import (
     CompletionRequest,
     EngineInput,
     chat_prompt_ids,
+    choices_per_prompt,
     completion_prompt_ids,
+    fan_out,
     sampling_params,
     validate_body,
 )
@@ -102,10 +104,8 @@ class Serving:
             continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
             token_text=(lambda t: tokenizer.decode([t])) if params.logprobs is not None else None,
         )
-        inputs = [
-            EngineInput(ids, p, req.stream, include_usage) for ids, p in zip(prompts, all_params, strict=True)
-        ]
-        return job, inputs
+        n = choices_per_prompt(req)
+        return job, fan_out(prompts, all_params, n, job.request_id, req.stream, include_usage)
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.model_name:
@@ -158,21 +158,21 @@ class Serving:
                 run.ticket.started()
             if inputs[0].stream:
                 handed_over = True
-                return SSEResponse(
-                    self._events_many(job, firsts, runs), on_close=_close_all(runs), closing=closing
-                )
+                counted = [not i.shares_prompt for i in inputs]
+                events = self._events_many(job, firsts, runs, counted)
+                return SSEResponse(events, on_close=_close_all(runs), closing=closing)
             work = _all([_last_output(f, r.gen) for f, r in zip(firsts, runs, strict=True)])
             finals = await until_disconnect(work, receive, closing)
             if finals is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(full_response(job, finals))
+            return JSONResponse(full_response(job, finals, [not i.shares_prompt for i in inputs]))
         finally:
             if not handed_over:
                 for i, run in enumerate(runs):
                     await run.close(finals[i] if finals is not None else None)
 
     async def _events_many(
-        self, job: Job, firsts: list[RequestOutput], runs: list[_Run]
+        self, job: Job, firsts: list[RequestOutput], runs: list[_Run], prompt_counted: list[bool]
     ) -> AsyncGenerator[bytes, None]:
         """SSE events of several choices as they come, each chunk naming its choice's index."""
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
@@ -199,7 +199,7 @@ class Serving:
                     yield sse_event(text_chunk(job, out.new_text, out.finish_reason, out, lps, i))
                 elif out.new_text:
                     yield sse_event(text_chunk(job, out.new_text, None, out, lps, i))
-            for chunk in usage_chunks(job, [f for f in finals if f is not None]):
+            for chunk in usage_chunks(job, [f for f in finals if f is not None], prompt_counted):
                 yield sse_event(chunk)
             yield SSE_DONE
         except Exception as exc:
