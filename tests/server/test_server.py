@@ -305,6 +305,26 @@ def test_n_streams_by_index_and_holds_one_copy_of_the_prompt_blocks(tiny: str) -
     assert_idle(tiny)
 
 
+def test_tokenize_and_detokenize_as_vllm(tiny: str) -> None:
+    r = httpx.post(f"{tiny}/tokenize", json={"model": TINY, "prompt": "hi!"}).json()
+    assert r["tokens"] == [ord(ch) + 3 for ch in "hi!"] and r["count"] == 3 and r["max_model_len"] > 0
+    chat = httpx.post(
+        f"{tiny}/tokenize", json={"model": TINY, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert chat.status_code == 200 and chat.json()["count"] >= 2
+    back = httpx.post(f"{tiny}/detokenize", json={"model": TINY, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": "hi!"}
+    assert httpx.post(f"{tiny}/detokenize", json={"model": "nope", "tokens": [5]}).status_code == 404
+    # (the router does not route these two, so their bad inputs live here, not in bad_inputs.py)
+    for path, body, param in [
+        ("/tokenize", {"model": TINY, "prompt": "a", "messages": []}, "prompt"),
+        ("/detokenize", {"model": TINY, "tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"model": TINY, "tokens": "abc"}, "tokens"),
+    ]:
+        bad = httpx.post(f"{tiny}{path}", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+
+
 def test_logit_bias_forces_a_token(tiny: str) -> None:
     r = client(tiny).completions.create(
         model=TINY, prompt="hello", max_tokens=5, temperature=0, logit_bias={str(X_ID): 100}

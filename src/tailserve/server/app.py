@@ -32,6 +32,7 @@ from tailserve.server.errors import (
     route_error,
     to_http,
 )
+from tailserve.server.json_body import parse_json
 from tailserve.server.metrics import ServerMetrics
 from tailserve.server.middleware import (
     ApiKeyMiddleware,
@@ -41,6 +42,7 @@ from tailserve.server.middleware import (
     JsonContentTypeMiddleware,
 )
 from tailserve.server.serving import Serving
+from tailserve.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("tailserve.server")
 WARMUP_PROMPT = "Hello! Say something short."
@@ -115,6 +117,23 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.handle("chat", request)
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        model, body = tokenize(parse_json(await request.body()), engine.tokenizer, engine.max_model_len)
+        _check_model(model)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> Response:
+        vocab = getattr(engine.tokenizer, "vocab_size", None)
+        model, body = detokenize(parse_json(await request.body()), engine.tokenizer, vocab)
+        _check_model(model)
+        return JSONResponse(body)
+
+    def _check_model(model: str) -> None:
+        if model != engine.model_name:
+            raise ModelNotFoundError(model, engine.model_name)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
