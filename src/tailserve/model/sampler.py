@@ -112,25 +112,25 @@ def _penalise(flat: torch.Tensor, vocab: int, rows: Sequence[int], specs: Sequen
     """vLLM's penalties, in place on the flattened logits, touching only tokens a row has seen:
     repetition over prompt+output (divide positive, multiply negative logits), then frequency x
     output count and presence x (count > 0) subtracted."""
-    seen: list[int] = []
-    outs: list[int] = []
+    seen: list[torch.Tensor] = []  # flat indices (row x vocab + token), one tensor per row
+    outs: list[torch.Tensor] = []
     for i in rows:
         s = specs[i]
-        base = i * vocab
+        ids = torch.tensor(s.token_ids, dtype=torch.long) + i * vocab  # one C-level conversion per row
         if s.repetition_penalty != 1.0:
-            seen.extend(base + t for t in s.token_ids)
+            seen.append(ids)
         if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
-            outs.extend(base + t for t in s.token_ids[s.num_prompt_tokens :])
+            outs.append(ids[s.num_prompt_tokens :])
     rep = torch.tensor([s.repetition_penalty for s in specs], dtype=flat.dtype)
     freq = torch.tensor([s.frequency_penalty for s in specs], dtype=flat.dtype)
     pres = torch.tensor([s.presence_penalty for s in specs], dtype=flat.dtype)
     if seen:
-        idx = torch.unique(torch.tensor(seen))
+        idx = torch.unique(torch.cat(seen))
         vals = flat[idx]
         r = rep[idx // vocab]
         flat[idx] = torch.where(vals > 0, vals / r, vals * r)
-    if outs:
-        idx, counts = torch.unique(torch.tensor(outs), return_counts=True)
+    if outs and (out_ids := torch.cat(outs)).numel():
+        idx, counts = torch.unique(out_ids, return_counts=True)
         row = idx // vocab
         flat.index_add_(0, idx, -(freq[row] * counts.to(flat.dtype) + pres[row]))
 
