@@ -50,7 +50,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> list[int]:
     """One token id per row of `logits` [R, vocab] (float32); `logits` itself is never modified."""
     raw = logits
     logits = adjust_logits(logits, specs)
-    tokens = torch.empty(len(specs), dtype=torch.long)
+    tokens = torch.empty(len(specs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(specs) if s.temperature == 0.0]
     drawn = [i for i, s in enumerate(specs) if s.temperature != 0.0]
     if greedy:
@@ -72,7 +72,7 @@ def _fill_logprobs(
     top_vals, top_ids = (
         torch.topk(logp, most, dim=-1)
         if most
-        else (logp[:, :0], torch.zeros((len(rows), 0), dtype=torch.long))
+        else (logp[:, :0], torch.zeros((len(rows), 0), dtype=torch.long, device=logp.device))
     )
     vals, ids = top_vals.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
@@ -100,11 +100,11 @@ def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.
     if rows:
         cols = [t for i in bias for t in (specs[i].logit_bias or {})]
         vals = [b for i in bias for b in (specs[i].logit_bias or {}).values()]
-        idx = torch.tensor(rows) * vocab + torch.tensor(cols)
-        flat.index_add_(0, idx, torch.tensor(vals, dtype=out.dtype))
+        idx = torch.tensor(rows, device=out.device) * vocab + torch.tensor(cols, device=out.device)
+        flat.index_add_(0, idx, torch.tensor(vals, dtype=out.dtype, device=out.device))
     banned = [i * vocab + t for i in bias for t in specs[i].banned_token_ids]
     if banned:
-        flat[torch.tensor(banned)] = float("-inf")
+        flat[torch.tensor(banned, device=out.device)] = float("-inf")
     return out
 
 
@@ -116,14 +116,16 @@ def _penalise(flat: torch.Tensor, vocab: int, rows: Sequence[int], specs: Sequen
     outs: list[torch.Tensor] = []
     for i in rows:
         s = specs[i]
-        ids = torch.tensor(s.token_ids, dtype=torch.long) + i * vocab  # one C-level conversion per row
+        ids = (
+            torch.tensor(s.token_ids, dtype=torch.long, device=flat.device) + i * vocab
+        )  # one C-level conversion per row
         if s.repetition_penalty != 1.0:
             seen.append(ids)
         if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
             outs.append(ids[s.num_prompt_tokens :])
-    rep = torch.tensor([s.repetition_penalty for s in specs], dtype=flat.dtype)
-    freq = torch.tensor([s.frequency_penalty for s in specs], dtype=flat.dtype)
-    pres = torch.tensor([s.presence_penalty for s in specs], dtype=flat.dtype)
+    rep = torch.tensor([s.repetition_penalty for s in specs], dtype=flat.dtype, device=flat.device)
+    freq = torch.tensor([s.frequency_penalty for s in specs], dtype=flat.dtype, device=flat.device)
+    pres = torch.tensor([s.presence_penalty for s in specs], dtype=flat.dtype, device=flat.device)
     if seen:
         idx = torch.unique(torch.cat(seen))
         vals = flat[idx]
@@ -141,16 +143,16 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
     Only row-wise ops touch a row (softmax, block sums, prefix sums, gathers), so a row's numbers,
     and so its token, are the same whatever else is in the batch.
     """
-    temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype)[:, None]
+    temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype, device=logits.device)[:, None]
     probs = torch.softmax(logits / temps, dim=-1)
     vocab = probs.shape[-1]
-    tokens = torch.empty(len(specs), dtype=torch.long)
+    tokens = torch.empty(len(specs), dtype=torch.long, device=logits.device)
     groups: dict[str, list[int]] = {"plain": [], "top_k": [], "nucleus": []}
     for i, s in enumerate(specs):
         kind = "top_k" if 0 < s.top_k < vocab else "nucleus" if s.top_p < 1.0 or s.min_p > 0.0 else "plain"
         groups[kind].append(i)
     if rows := groups["plain"]:
-        tokens[rows] = _pick(_rows(probs, rows), _uniforms(specs, rows))
+        tokens[rows] = _pick(_rows(probs, rows), _uniforms(specs, rows, probs.device))
     if rows := groups["top_k"]:
         tokens[rows] = _draw_top_k(_rows(logits, rows), _rows(probs, rows), [specs[i] for i in rows])
     if rows := groups["nucleus"]:
@@ -158,9 +160,10 @@ def _draw(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
     return tokens
 
 
-def _uniforms(specs: Sequence[SamplingSpec], rows: Sequence[int]) -> torch.Tensor:
+def _uniforms(specs: Sequence[SamplingSpec], rows: Sequence[int], device: torch.device) -> torch.Tensor:
     """One draw in (0, 1] per row from the row's own generator (never 0: no zero-mass token is picked)."""
-    return torch.cat([1.0 - torch.rand(1, generator=specs[i].generator) for i in rows])[:, None]
+    u = torch.cat([1.0 - torch.rand(1, generator=specs[i].generator) for i in rows])[:, None]
+    return u.to(device)  # drawn where the (CPU) generators live
 
 
 _BLOCK = 256  # tokens per block of the two-level inverse CDF
@@ -194,7 +197,7 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inner = blocks.gather(1, b[:, :, None].expand(-1, 1, _BLOCK))[:, 0]
     j = torch.searchsorted(inner.cumsum(-1), target - before)
     # Rounding may leave the block's own sum a hair under the target: take its last nonzero token.
-    last_nonzero = torch.where(inner > 0, torch.arange(_BLOCK), 0).amax(-1, keepdim=True)
+    last_nonzero = torch.where(inner > 0, torch.arange(_BLOCK, device=inner.device), 0).amax(-1, keepdim=True)
     return (b * _BLOCK + torch.minimum(j, last_nonzero))[:, 0]
 
 
@@ -206,14 +209,16 @@ def _draw_top_k(logits: torch.Tensor, probs: torch.Tensor, specs: Sequence[Sampl
     rounding-level change of the logits (a prefix-cache hit) swaps which near-equal tokens make the
     top k, so the winner usually stays the winner.
     """
-    ks = torch.tensor([s.top_k for s in specs])[:, None]
+    ks = torch.tensor([s.top_k for s in specs], device=logits.device)[:, None]
     order = torch.topk(logits, int(ks.max()), dim=-1).indices  # sorted best first
     sorted_probs = probs.gather(1, order)
-    sorted_probs = sorted_probs.masked_fill(torch.arange(order.shape[1])[None, :] >= ks, 0.0)
+    ranks = torch.arange(order.shape[1], device=order.device)[None, :]
+    sorted_probs = sorted_probs.masked_fill(ranks >= ks, 0.0)
     cdf = sorted_probs.cumsum(-1)  # prefix sums: entries past a row's k never change its first k
     keep = _nucleus_len(sorted_probs, cdf, cdf.gather(1, ks - 1), specs).clamp(max=ks)
-    kept = sorted_probs.masked_fill(torch.arange(order.shape[1])[None, :] >= keep, 0.0)
+    kept = sorted_probs.masked_fill(ranks >= keep, 0.0)
     keys = torch.cat([torch.randint(0, 2**62, (1,), generator=s.generator) for s in specs])[:, None]
+    keys = keys.to(order.device)
     race = kept / _hashed_exponentials(order, keys)
     return order.gather(1, race.argmax(-1, keepdim=True))[:, 0]
 
@@ -245,8 +250,8 @@ def _nucleus_len(
 ) -> torch.Tensor:
     """[R, 1] length of the kept prefix of best-first `sorted_probs`: the smallest prefix reaching
     top_p of `mass`, cut to tokens of at least min_p x the best one; never empty."""
-    top_p = torch.tensor([s.top_p for s in specs], dtype=cdf.dtype)[:, None]
-    min_p = torch.tensor([s.min_p for s in specs], dtype=cdf.dtype)[:, None]
+    top_p = torch.tensor([s.top_p for s in specs], dtype=cdf.dtype, device=cdf.device)[:, None]
+    min_p = torch.tensor([s.min_p for s in specs], dtype=cdf.dtype, device=cdf.device)[:, None]
     n_top_p = ((cdf - sorted_probs) < top_p * mass).sum(-1, keepdim=True)
     n_min_p = (sorted_probs >= min_p * sorted_probs[:, :1]).sum(-1, keepdim=True)
     return torch.minimum(n_top_p, n_min_p).clamp(min=1)
@@ -263,16 +268,17 @@ def _draw_nucleus(probs: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.T
     first draw is accepted with probability >= top_p. Ranks break ties by token id, as a stable sort.
     """
     n, vocab = probs.shape
-    top_p = torch.tensor([s.top_p for s in specs], dtype=probs.dtype)[:, None] * _total(probs)
-    min_kept = torch.tensor([s.min_p for s in specs], dtype=probs.dtype)[:, None] * probs.amax(
+    dev = probs.device
+    top_p = torch.tensor([s.top_p for s in specs], dtype=probs.dtype, device=dev)[:, None] * _total(probs)
+    min_kept = torch.tensor([s.min_p for s in specs], dtype=probs.dtype, device=dev)[:, None] * probs.amax(
         -1, keepdim=True
     )
-    ids = torch.arange(vocab)[None, :]
-    tokens = torch.empty(n, dtype=torch.long)
+    ids = torch.arange(vocab, device=dev)[None, :]
+    tokens = torch.empty(n, dtype=torch.long, device=dev)
     active = list(range(n))
     candidates = probs  # the active rows' candidate weights, aligned with `active`
     for _ in range(_MAX_REJECTIONS):
-        pick = _pick(candidates, _uniforms(specs, active))[:, None]
+        pick = _pick(candidates, _uniforms(specs, active, dev))[:, None]
         row_probs = _rows(probs, active)
         p_pick = row_probs.gather(1, pick)
         above = (row_probs > p_pick) | ((row_probs == p_pick) & (ids < pick))
@@ -289,7 +295,7 @@ def _draw_nucleus(probs: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.T
     sorted_probs, order = torch.sort(_rows(probs, active), dim=-1, descending=True, stable=True)
     cdf = sorted_probs.cumsum(-1)
     last = _nucleus_len(sorted_probs, cdf, cdf[:, -1:], [specs[i] for i in active]) - 1
-    target = _uniforms(specs, active) * cdf.gather(1, last)
+    target = _uniforms(specs, active, dev) * cdf.gather(1, last)
     picked = torch.minimum(torch.searchsorted(cdf, target), last)
     tokens[active] = order.gather(1, picked)[:, 0]
     return tokens
