@@ -1,9 +1,11 @@
-/* tailserve's fused CPU kernels: the small per-layer ops of a step, one call each.
+/* tailserve's fused CPU kernels: the small per-layer ops of a step one call each, paged decode
+ * attention, and (with AMX) the int4 layer and Q8_0 head matmuls. See docs/ENGINE.md.
  *
- * Built at first use by cpu_kernels.py (gcc -O3 -march=native, cached by source hash) and called
- * through ctypes on raw tensor pointers. Every kernel is row-wise (or per sequence and head), so a
- * row's result never depends on the other rows of the batch. bf16 is carried as uint16_t and
- * rounded to nearest even, as torch does; arithmetic inside a kernel is float32.
+ * Built at first use by cpu_kernels.py (cc -O3 -march=native -ffast-math, cached by source hash)
+ * and called through ctypes on raw tensor pointers. Every kernel is row-wise (or per sequence and
+ * head), so a row's result never depends on the other rows of the batch. bf16 is carried as
+ * uint16_t and rounded to nearest even, as torch does; arithmetic inside a kernel is float32.
+ * -ffast-math assumes finite values: a NaN in the activations is already a broken model.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <float.h>
