@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from tailserve.model.user_cache import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -47,11 +49,7 @@ _SIGNATURES: dict[str, list[type]] = {
 
 
 def kernel_dir() -> Path:
-    root = os.environ.get("TAILSERVE_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tailserve" / "kernels"
+    return user_cache_dir("kernels")
 
 
 def _compiler() -> str | None:

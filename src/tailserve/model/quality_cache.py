@@ -15,6 +15,7 @@ from typing import Any
 
 from tailserve.errors import ModelLoadError
 from tailserve.model.loader import default_model_path
+from tailserve.model.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +24,7 @@ _FINGERPRINT_BYTES = 1 << 20
 
 def default_cache_dir() -> Path:
     """$TAILSERVE_CACHE_DIR/quality, else ~/.cache/tailserve/quality (XDG_CACHE_HOME respected)."""
-    root = os.environ.get("TAILSERVE_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "quality"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tailserve" / "quality"
+    return user_cache_dir("quality")
 
 
 def model_files(spec: str) -> list[Path]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -269,23 +270,20 @@ class AmxInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 contiguous @ w.T (+ bias) -> [M, N] bf16 (a view when N was padded)."""
-        m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
-        y = torch.empty(m, padded, dtype=torch.bfloat16)
-        self.lib.ts_q4_matmul(
-            ptr(x), m, self.in_features, ptr(self.packed), ptr(self.scale), ptr(self.shifted_min),
-            None if self.bias is None else ptr(self.bias), padded, ptr(y),
-        )  # fmt: skip
-        return y if padded == self.out_features else y[:, : self.out_features]
+        return self._run(self.lib.ts_q4_matmul, self.shifted_min, x)
 
     def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows: the same groups widened to bf16 weights on the fly (the dense bf16 copy's
         values, without the copy), float32 sums over all of K. -> [M, N] bf16."""
+        return self._run(self.lib.ts_q4_prefill_matmul, self.min, x)
+
+    def _run(self, kernel: Any, minimum: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
         y = torch.empty(m, padded, dtype=torch.bfloat16)
-        self.lib.ts_q4_prefill_matmul(
-            ptr(x), m, self.in_features, ptr(self.packed), ptr(self.scale), ptr(self.min),
-            None if self.bias is None else ptr(self.bias), padded, ptr(y),
-        )  # fmt: skip
+        bias = None if self.bias is None else ptr(self.bias)
+        kernel(
+            ptr(x), m, self.in_features, ptr(self.packed), ptr(self.scale), ptr(minimum), bias, padded, ptr(y)
+        )
         return y if padded == self.out_features else y[:, : self.out_features]
 
 
