@@ -102,8 +102,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     policy: str = "slo"
     max_waiting: int = 512  # bound of the waiting queue (admission control)
-    slo_ttft_s: float = 2.0
+    slo_ttft_s: float = 2.0  # the default per-request targets; a request may carry its own (SloTarget)
     slo_tpot_s: float = 0.150
+    # slo: prefill keeps at least this share of the step budget beside decodes (0: only one block).
+    prefill_floor: float = 0.25
+    # slo: the share of each step's prefill budget that requests past saving (their TTFT deadline
+    # is lost) keep, so they yield to savable requests without starving (docs/ENGINE.md).
+    past_saving_share: float = 0.25
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -119,6 +124,13 @@ class SchedulerConfig:
         )
         _require(self.max_waiting >= 1, "--max-waiting must be at least 1")
         _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be positive")
+        _require(
+            0.0 <= self.prefill_floor <= 1.0, f"--prefill-floor must be in [0, 1], got {self.prefill_floor}"
+        )
+        _require(
+            0.0 < self.past_saving_share <= 1.0,
+            f"--past-saving-share must be in (0, 1] (0 would starve late requests), got {self.past_saving_share}",
+        )
 
 
 @dataclass(frozen=True)

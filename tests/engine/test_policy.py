@@ -138,6 +138,6 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     assert tight.prefill_cap(fresh, budget=1000, now=now) == 250  # never below a quarter of the budget
     assert tight.prefill_cap(fresh, budget=40, now=now) == 16  # nor below one block
     # A newcomer waits for urgent and shorter prompts only, not for a long one with slack.
-    pending = [(1000, now + 10.0), (30, now + 10.0), (500, now + 0.01)]
-    assert slo.tokens_ahead(pending, 50, now) == 30 + 500
-    assert FcfsPolicy().tokens_ahead(pending, 50, now) == 1530
+    pending = [(1000, now + 10.0, 2.0), (30, now + 10.0, 2.0), (500, now + 0.06, 2.0)]
+    assert slo.tokens_ahead(pending, 50, 2.0, now) == 30 + 500
+    assert FcfsPolicy().tokens_ahead(pending, 50, 2.0, now) == 1530

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tailserve.config import EngineConfig
 from tailserve.engine.llm_engine import LLMEngine
-from tailserve.engine.request import RequestOutput, SamplingParams
+from tailserve.engine.request import RequestOutput, SamplingParams, ttft_target_s
 from tailserve.engine.stats import EngineStats, QueueSnapshot
 from tailserve.errors import TailserveError
 from tailserve.model.loader import LoadedModel
@@ -64,8 +64,9 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
         self._queue = self.engine.queue_snapshot()
-        # Requests handed to generate() but not yet in a published snapshot: (prompt tokens, TTFT deadline).
-        self._unseen: dict[int, tuple[int, float]] = {}
+        # Requests handed to generate() but not yet in a published snapshot: (prompt tokens, TTFT
+        # deadline, TTFT target).
+        self._unseen: dict[int, tuple[int, float, float]] = {}
         self._applied: list[int] = []  # engine thread only: adds applied since the last publish
         self._add_seq = itertools.count()
         self._lock = threading.Lock()
@@ -98,11 +99,11 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         now = arrival or time.monotonic()
         item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, next(self._add_seq))
-        deadline = now + self.config.scheduler.slo_ttft_s
+        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
-            self._unseen[item.seq] = (len(item.prompt_token_ids), deadline)
+            self._unseen[item.seq] = (len(item.prompt_token_ids), now + ttft_s, ttft_s)
         self._inbox.put(item)
         return self._outputs(request_id, stream)
 
@@ -131,15 +132,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def estimate_wait_s(self, num_prompt_tokens: int) -> float:
-        """Predicted queue wait plus prefill for a new request: the last step's snapshot plus every
-        request handed to generate() since (a burst arrives faster than the engine thread sees it)."""
+    def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
+        """Predicted queue wait plus prefill for a new request whose TTFT target is `ttft_s` (None:
+        --slo-ttft): the last step's snapshot plus every request handed to generate() since (a burst
+        arrives faster than the engine thread sees it)."""
         with self._lock:
             snapshot = self._queue
             unseen = list(self._unseen.values())
         if unseen:
             snapshot = dataclasses.replace(snapshot, pending=[*snapshot.pending, *unseen])
-        return self.engine.estimate_wait_s(num_prompt_tokens, snapshot)
+        return self.engine.estimate_wait_s(num_prompt_tokens, snapshot, ttft_s)
 
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:

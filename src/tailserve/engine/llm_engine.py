@@ -178,10 +178,12 @@ class LLMEngine:
         """What admission control needs, taken on the engine thread between steps."""
         return self.scheduler.queue_snapshot(time.monotonic())
 
-    def estimate_wait_s(self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None) -> float:
-        """Predicted time to a new request's first token (see `Scheduler.estimate_wait_s`)."""
+    def estimate_wait_s(
+        self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None, ttft_s: float | None = None
+    ) -> float:
+        """Predicted time to a new request's first token, `ttft_s` its own target (see `Scheduler.estimate_wait_s`)."""
         snap = snapshot or self.queue_snapshot()
-        return self.scheduler.estimate_wait_s(num_prompt_tokens, snap, time.monotonic())
+        return self.scheduler.estimate_wait_s(num_prompt_tokens, snap, time.monotonic(), ttft_s)
 
 
 def _chunk(req: Request, n: int, block_table: list[int], decode: bool, eos_ids: Iterable[int]) -> SeqChunk:

@@ -2,37 +2,57 @@
 which running request gives its blocks back when the pool runs dry.
 
 - `fcfs`: arrival order; prefill takes whatever budget the decodes leave; the newest request is preempted.
-- `slo` (default): each request's TTFT deadline is arrival + target. Requests whose slack is nearly
-  gone go first (earliest deadline first); the others go shortest-remaining-prompt first, so a short
-  question is not stuck behind a long document. Slack shrinks as a request waits, so every request
-  becomes urgent in time: nothing starves. While decodes run, prefill per step is capped so the
-  predicted step time keeps every stream's TPOT (an average per token) under target: a stream that
-  has run ahead of its target lends that time to prefill, up to 4x the target for one step. The cap
-  never drops below a quarter of the step budget, so prefill always progresses. The preemption
-  victim is a request still in prefill (no token streamed yet) with the least work done, else the
-  decode with the fewest tokens to recompute.
+- `slo` (default): each request's TTFT deadline is arrival + its own target (SloTarget, else
+  --slo-ttft). Requests whose slack is nearly gone go first (earliest deadline first); the others go
+  by remaining prompt x TTFT target, smallest first (shortest first when targets are equal), so a
+  short question is not stuck behind a long document and a tight target goes before a loose one.
+  Slack shrinks as a request waits, so every request becomes urgent in time. A request that can no
+  longer make its deadline (its predicted prefill ends past it) is *past saving*: it yields to the
+  savable ones but keeps `past_saving_share` of every step's prefill budget, so its lateness is
+  bounded. While decodes run, prefill per step is capped so the predicted step time keeps every
+  stream's TPOT (an average per token) under its target: a stream that has run ahead of its target
+  lends that time to prefill, up to 4x the target for one step. The cap never drops below
+  `prefill_floor` of the step budget, so prefill always progresses. The preemption victim is a
+  request still in prefill (no token streamed yet) with the least work done, else the decode with
+  the fewest tokens to recompute.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tailserve.config import SchedulerConfig
-from tailserve.engine.request import Request
+from tailserve.engine.request import Request, tpot_target_s, ttft_target_s
 from tailserve.engine.stats import StepTimer
+
+Pending = tuple[int, float, float]  # a queued prompt: (tokens left, TTFT deadline, TTFT target)
+
+
+class PrefillOrder(NamedTuple):
+    """Prompts in the order they get budget: savable ones, then those past saving (with a reserve)."""
+
+    savable: list[Request]
+    past_saving: list[Request]
 
 
 class SchedulePolicy(Protocol):
     name: str
 
-    def order_prefills(self, candidates: Sequence[Request], now: float) -> list[Request]: ...
+    def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder: ...
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int: ...
 
+    def past_saving_reserve(self, left: int) -> int: ...
+
     def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
 
-    def tokens_ahead(self, pending: Sequence[tuple[int, float]], new_tokens: int, now: float) -> int: ...
+    def tokens_ahead(
+        self, pending: Sequence[Pending], new_tokens: int, new_ttft_s: float, now: float
+    ) -> int: ...
+
+    def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int: ...
 
 
 class FcfsPolicy:
@@ -40,18 +60,24 @@ class FcfsPolicy:
 
     name = "fcfs"
 
-    def order_prefills(self, candidates: Sequence[Request], now: float) -> list[Request]:
-        return sorted(candidates, key=lambda r: r.seq_no)
+    def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder:
+        return PrefillOrder(sorted(candidates, key=lambda r: r.seq_no), [])
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         return budget
 
+    def past_saving_reserve(self, left: int) -> int:
+        return 0
+
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return max(candidates, key=lambda r: r.seq_no)
 
-    def tokens_ahead(self, pending: Sequence[tuple[int, float]], new_tokens: int, now: float) -> int:
+    def tokens_ahead(self, pending: Sequence[Pending], new_tokens: int, new_ttft_s: float, now: float) -> int:
         """Every queued prompt token is ahead of a newcomer."""
-        return sum(tokens for tokens, _ in pending)
+        return sum(tokens for tokens, _, _ in pending)
+
+    def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int:
+        return cap
 
 
 class SloPolicy:
@@ -69,19 +95,48 @@ class SloPolicy:
         _, per_token = self.timer.coefficients()
         return tokens * per_token
 
-    def _urgent(self, remaining_tokens: int, deadline: float, now: float) -> bool:
+    def _slack_s(self, remaining_tokens: int, deadline: float, now: float) -> float:
+        return deadline - now - self._prefill_s(remaining_tokens)
+
+    def _urgent(self, remaining_tokens: int, deadline: float, ttft_s: float, now: float) -> bool:
         # Urgent once the slack left is under a quarter of the target beyond its own prefill time.
-        slack = deadline - now - self._prefill_s(remaining_tokens)
-        return slack < 0.25 * self.config.slo_ttft_s
+        return self._slack_s(remaining_tokens, deadline, now) < 0.25 * ttft_s
 
-    def order_prefills(self, candidates: Sequence[Request], now: float) -> list[Request]:
-        def key(r: Request) -> tuple[int, float, int, int]:
-            deadline = r.timings.arrival + self.config.slo_ttft_s
-            if self._urgent(r.num_uncomputed_tokens, deadline, now):
-                return (0, deadline, 0, r.seq_no)
-            return (1, 0.0, r.num_uncomputed_tokens, r.seq_no)
+    def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool:
+        """Its prefill, even at the full budget from now on, is predicted to end after its deadline."""
+        return self._slack_s(remaining_tokens, deadline, now) < 0
 
-        return sorted(candidates, key=key)
+    def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder:
+        savable: list[tuple[tuple[int, float, int], Request]] = []
+        late: list[tuple[tuple[int, float, int], Request]] = []
+        for r in candidates:
+            ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
+            deadline = r.timings.arrival + ttft_s
+            remaining = r.num_uncomputed_tokens
+            if r.timings.first_token is not None:
+                # Resumed after a preemption: it streams already, so its TTFT is history and what
+                # matters is getting its stream going again, first.
+                savable.append(((0, deadline, r.seq_no), r))
+            elif self.past_saving(remaining, deadline, now):
+                late.append(((0, deadline, r.seq_no), r))  # most overdue first: bounded lateness
+            elif self._urgent(remaining, deadline, ttft_s, now):
+                savable.append(((0, deadline, r.seq_no), r))
+            else:
+                # Smith's rule with weight 1 / target: the least prompt x target first minimises the
+                # sum of TTFT / target; with equal targets it is shortest first.
+                savable.append(((1, remaining * ttft_s, r.seq_no), r))
+        savable.sort(key=lambda kr: kr[0])
+        late.sort(key=lambda kr: kr[0])
+        return PrefillOrder([r for _, r in savable], [r for _, r in late])
+
+    def past_saving_reserve(self, left: int) -> int:
+        """Prefill tokens of this step kept for requests past saving (when any wait).
+
+        A share of every step, not a promotion after some extra wait: the late request's remaining
+        prefill then ends within ceil(remaining / reserve) steps however many newcomers arrive, and
+        the savable ones never meet a late prompt that suddenly takes a whole step (a cliff that
+        admission could not predict)."""
+        return min(left, max(self.min_chunk, math.ceil(self.config.past_saving_share * left)))
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         if not decodes:
@@ -90,40 +145,47 @@ class SloPolicy:
         if per_token <= 0:
             return budget  # no timing yet
         room = (self.step_budget_s(decodes, now) - decode_step_s) / per_token
-        # Prefill always keeps a quarter of the budget: when decodes alone already miss the TPOT
+        # Prefill always keeps a share of the budget: when decodes alone already miss the TPOT
         # target, starving prompts would not save the streams and would wreck TTFT.
-        floor = max(self.min_chunk, budget // 4)
+        floor = max(self.min_chunk, int(budget * self.config.prefill_floor))
         return min(budget, max(floor, int(room)))
 
     def step_budget_s(self, decodes: Sequence[Request], now: float) -> float:
-        """How long this step may take without pushing any stream's TPOT (its average) over target.
+        """How long this step may take without pushing any stream's TPOT (its average) over its target.
 
-        A stream that got its tokens faster than the target has banked time; the step may spend it,
+        A stream that got its tokens faster than its target has banked time; the step may spend it,
         up to MAX_ITL_FACTOR x the target so no single gap becomes a visible stall.
         """
-        tpot = self.config.slo_tpot_s
-        banked = min(
-            (
-                tpot * r.num_output_tokens - (now - r.timings.first_token)
-                for r in decodes
-                if r.timings.first_token
-            ),
-            default=tpot,
-        )
-        return min(max(banked, tpot), self.MAX_ITL_FACTOR * tpot)
+        budgets = []
+        for r in decodes:
+            if not r.timings.first_token:
+                continue
+            tpot = tpot_target_s(r.params, self.config.slo_tpot_s)
+            banked = tpot * r.num_output_tokens - (now - r.timings.first_token)
+            budgets.append(min(max(banked, tpot), self.MAX_ITL_FACTOR * tpot))
+        return min(budgets, default=self.config.slo_tpot_s)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return min(
             candidates, key=lambda r: (r.timings.first_token is not None, r.num_computed_tokens, -r.seq_no)
         )
 
-    def tokens_ahead(self, pending: Sequence[tuple[int, float]], new_tokens: int, now: float) -> int:
-        """Queued tokens that would be prefilled before a newcomer of `new_tokens`: urgent ones and shorter ones."""
+    def tokens_ahead(self, pending: Sequence[Pending], new_tokens: int, new_ttft_s: float, now: float) -> int:
+        """Queued tokens that would be prefilled before a newcomer: urgent ones and those with a smaller
+        prompt x target. Work past saving is not ahead: it only keeps its reserve
+        (`newcomer_tokens_per_step`)."""
         return sum(
             tokens
-            for tokens, deadline in pending
-            if tokens <= new_tokens or self._urgent(tokens, deadline, now)
+            for tokens, deadline, ttft_s in pending
+            if not self.past_saving(tokens, deadline, now)
+            and (tokens * ttft_s <= new_tokens * new_ttft_s or self._urgent(tokens, deadline, ttft_s, now))
         )
+
+    def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int:
+        """Prefill tokens per step left to savable work: the cap, less the reserve while work past saving waits."""
+        if any(self.past_saving(tokens, deadline, now) for tokens, deadline, _ in pending):
+            return max(cap - self.past_saving_reserve(cap), 1)
+        return cap
 
 
 def make_policy(config: SchedulerConfig, timer: StepTimer, block_size: int) -> SchedulePolicy:

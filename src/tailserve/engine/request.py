@@ -14,6 +14,34 @@ from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 
 
 @dataclass(frozen=True)
+class SloTarget:
+    """A request's own latency targets and the class they came from (a metrics label).
+
+    None: the engine's default (--slo-ttft / --slo-tpot). Only the `slo` policy reads them."""
+
+    slo_class: str = "default"
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            _check(value is None or (_finite(value) and value > 0), f"SLO {name} must be positive", "slo")
+
+
+def ttft_target_s(params: SamplingParams, default_s: float) -> float:
+    """The request's TTFT target, else the engine's."""
+    slo = params.slo
+    return slo.ttft_s if slo is not None and slo.ttft_s is not None else default_s
+
+
+def tpot_target_s(params: SamplingParams, default_s: float) -> float:
+    """The request's TPOT target, else the engine's."""
+    slo = params.slo
+    return slo.tpot_s if slo is not None and slo.tpot_s is not None else default_s
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; validated on construction."""
 
@@ -35,6 +63,7 @@ class SamplingParams:
     # n > 1: the id of the request whose prompt (the same ids) this one shares. It waits until that
     # prompt is computed, then takes its full KV blocks by reference (KVCacheManager.fork).
     fork_of: str | None = None
+    slo: SloTarget | None = None  # latency targets of this request (not sampling: scheduling and admission)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

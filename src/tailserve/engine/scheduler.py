@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SchedulePolicy, make_policy
-from tailserve.engine.request import Request, RequestStatus
+from tailserve.engine.request import Request, RequestStatus, ttft_target_s
 from tailserve.engine.stats import EngineStats, QueueSnapshot, StepTimer
 from tailserve.errors import ContextLengthExceededError
 
@@ -81,24 +81,47 @@ class Scheduler:
         plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
         left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
-        for req in self.policy.order_prefills(candidates, now):
-            if left <= 0:
+        order = self.policy.order_prefills(candidates, now)
+        # Requests past saving keep a reserve of the step; savable ones take the rest first, and
+        # whatever they leave goes to the late ones too (nothing idles while work waits).
+        reserve = self.policy.past_saving_reserve(left) if order.past_saving else 0
+        used, admitting = self._prefill_chunks(order.savable, left - reserve, plan, scheduled, now)
+        self._prefill_chunks(order.past_saving, left - used, plan, scheduled, now, admitting)
+        plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
+        return plan
+
+    def _prefill_chunks(
+        self,
+        requests: list[Request],
+        left: int,
+        plan: StepPlan,
+        scheduled: set[str],
+        now: float,
+        admitting: bool = True,
+    ) -> tuple[int, bool]:
+        """Prompt chunks for `requests` in order within `left` tokens; (tokens used, whether waiting
+        requests may still be admitted this step)."""
+        used = 0
+        for req in requests:
+            if used >= left:
                 break
             if req.status is RequestStatus.RUNNING:
-                n = min(req.num_uncomputed_tokens, left)
+                n = min(req.num_uncomputed_tokens, left - used)
                 if not self._reserve(req, n, plan, scheduled):
                     continue
             else:
-                if plan.preempted or len(self.running) >= self.config.max_num_seqs:
-                    break  # the pool or the batch is full: admitting now would only preempt again
-                n = self._admit(req, left, now)
+                if not admitting or plan.preempted or len(self.running) >= self.config.max_num_seqs:
+                    # The pool or the batch is full: admitting now would only preempt again.
+                    admitting = False
+                    break
+                n = self._admit(req, left - used, now)
                 if n == 0:
+                    admitting = False
                     break  # not enough blocks; retried next step (ahead of anyone behind it)
             plan.scheduled.append((req, n))
             scheduled.add(req.request_id)
-            left -= n
-        plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
-        return plan
+            used += n
+        return used, admitting
 
     def postprocess(self, plan: StepPlan) -> None:
         """After the model ran the plan: its tokens are computed, and full blocks join the prefix cache."""
@@ -194,22 +217,30 @@ class Scheduler:
 
     def queue_snapshot(self, now: float) -> QueueSnapshot:
         """Prompt work not yet done, with each request's TTFT deadline: what admission control reads."""
-        ttft = self.config.slo_ttft_s
         prefilling = [*self.waiting, *(r for r in self.running if not r.is_decoding)]
         decoding = [r for r in self.running if r.is_decoding]
         budget = self.config.max_num_batched_tokens
+        pending = []
+        for r in prefilling:
+            ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
+            pending.append((r.num_uncomputed_tokens, r.timings.arrival + ttft_s, ttft_s))
         return QueueSnapshot(
-            pending=[(r.num_uncomputed_tokens, r.timings.arrival + ttft) for r in prefilling],
+            pending=pending,
             num_running=len(self.running),
             prefill_cap=self.policy.prefill_cap(decoding, budget, now),
         )
 
-    def estimate_wait_s(self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float) -> float:
+    def estimate_wait_s(
+        self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
+    ) -> float:
         """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
-        plus its own. Zero when nothing is ahead: an idle server never refuses."""
-        ahead = self.policy.tokens_ahead(snapshot.pending, num_prompt_tokens, now)
+        plus its own. Zero when nothing is ahead: an idle server never refuses. `ttft_s` is the
+        newcomer's own TTFT target (default --slo-ttft); work past saving is not counted ahead."""
+        target = self.config.slo_ttft_s if ttft_s is None else ttft_s
+        ahead = self.policy.tokens_ahead(snapshot.pending, num_prompt_tokens, target, now)
         if ahead == 0:
             return 0.0
+        per_step = self.policy.newcomer_tokens_per_step(snapshot.pending, snapshot.prefill_cap, now)
         return self.timer.estimate_s(
-            ahead + num_prompt_tokens, snapshot.num_running, per_step_tokens=snapshot.prefill_cap
+            ahead + num_prompt_tokens, snapshot.num_running, per_step_tokens=per_step
         )

@@ -199,9 +199,9 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class QueueSnapshot:
-    """Prompt work not yet done, for wait predictions: (tokens left, TTFT deadline) per request."""
+    """Prompt work not yet done, for wait predictions: (tokens left, TTFT deadline, TTFT target) per request."""
 
-    pending: list[tuple[int, float]]
+    pending: list[tuple[int, float, float]]
     num_running: int
     prefill_cap: int
 

@@ -1,0 +1,135 @@
+"""Requests past saving under `slo`: a prompt that can no longer make its TTFT deadline yields to one
+that can, still finishes within the stated bound under a steady stream of newcomers, and is not
+counted ahead of a newcomer by admission; `fcfs` keeps arrival order.
+
+The scheduler runs here without a model, on a fixed step-cost model (a StepTimer fed known steps):
+a prompt's prefill is "done" when its tokens are computed, and the request then finishes, so the
+step at which that happens is its first token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from tailserve.config import SchedulerConfig
+from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.policy import SloPolicy
+from tailserve.engine.request import Request, RequestTimings, SamplingParams, SloTarget
+from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.stats import StepTimer
+
+BUDGET = 64  # tokens per step
+PER_TOKEN_S = 0.001  # the step-cost model: 1 ms per prompt token, 4 ms per decode-only step
+
+
+@dataclass
+class _Plan:
+    num_tokens: int
+    num_prefill_tokens: int
+
+
+def _scheduler(policy: str, ttft_s: float = 10.0) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=BUDGET, policy=policy, slo_ttft_s=ttft_s)
+    timer = StepTimer(budget_tokens=BUDGET)
+    timer.record(_Plan(8, 0), 0.004)
+    timer.record(_Plan(BUDGET, BUDGET), BUDGET * PER_TOKEN_S)
+    return Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer)
+
+
+class _Run:
+    """Adds requests and steps the scheduler, recording the step each prompt finished at."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.seq = 0
+        self.step = 0
+        self.first_token_step: dict[str, int] = {}
+
+    def add(self, name: str, tokens: int, age_s: float = 0.0, ttft_s: float | None = None) -> None:
+        slo = SloTarget("test", ttft_s=ttft_s) if ttft_s is not None else None
+        ids = [(self.seq * 7 + i) % 1000 + 1 for i in range(tokens)]
+        timings = RequestTimings(arrival=time.monotonic() - age_s)
+        params = SamplingParams(max_tokens=1, slo=slo)
+        self.scheduler.add(Request(name, ids, params, timings, seq_no=self.seq))
+        self.seq += 1
+
+    def run_step(self) -> None:
+        plan = self.scheduler.step_plan()
+        self.scheduler.postprocess(plan)
+        for req, _ in plan.scheduled:
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                self.first_token_step[req.request_id] = self.step
+                self.scheduler.finish(req, "length")
+        self.step += 1
+
+
+def test_late_long_prompt_yields_to_a_newcomer_that_can_make_its_deadline() -> None:
+    """Deadline already gone (arrived 100 s ago, 10 s target): the newcomer goes first under slo."""
+    steps = {}
+    for policy in ("slo", "fcfs"):
+        run = _Run(_scheduler(policy))
+        run.add("late", 2000, age_s=100.0)
+        run.add("new", 200)  # 0.2 s of prefill against a 10 s target: savable
+        while run.scheduler.num_unfinished:
+            run.run_step()
+        steps[policy] = run.first_token_step
+    slo, fcfs = steps["slo"], steps["fcfs"]
+    reserve = math.ceil(0.25 * BUDGET)
+    assert slo["new"] < slo["late"]
+    assert slo["new"] <= math.ceil(200 / (BUDGET - reserve))  # it had all but the late one's reserve
+    assert fcfs["new"] > fcfs["late"]  # the baseline keeps arrival order
+    # The late one kept its reserve meanwhile and had whole steps after: no step ran part-empty.
+    assert slo["late"] < math.ceil((2000 + 200) / BUDGET)
+
+
+def test_predicted_miss_is_past_saving_before_its_deadline_passes() -> None:
+    """2000 tokens at 1 ms each cannot meet the request's own 1 s target, though 1 s has not passed."""
+    run = _Run(_scheduler("slo"))
+    run.add("doomed", 2000, ttft_s=1.0)
+    run.add("new", 100, ttft_s=1.0)
+    plan = run.scheduler.step_plan()
+    # The newcomer, second in arrival order, gets all but the late one's reserve of 16 tokens.
+    assert [(req.request_id, n) for req, n in plan.scheduled] == [("new", BUDGET - 16), ("doomed", 16)]
+
+
+def test_past_saving_prompt_finishes_within_its_bound_under_a_steady_stream() -> None:
+    """Newcomers arrive faster than the budget every step; the late prompt still gets its reserve."""
+    scheduler = _scheduler("slo")
+    policy = scheduler.policy
+    assert isinstance(policy, SloPolicy)
+    bound_steps = math.ceil(2000 / policy.past_saving_reserve(BUDGET))
+    run = _Run(scheduler)
+    run.add("late", 2000, age_s=100.0)
+    for step in range(bound_steps + 50):
+        for i in range(3):  # 3 x 32 prompt tokens a step against a 64-token budget
+            run.add(f"s{step}-{i}", 32, ttft_s=1000.0)
+        run.run_step()
+        if "late" in run.first_token_step:
+            break
+    assert run.first_token_step.get("late", math.inf) <= bound_steps
+    served = [name for name, at in run.first_token_step.items() if name != "late"]
+    assert len(served) >= run.first_token_step["late"]  # newcomers kept flowing beside it
+    assert scheduler.num_unfinished > 0  # the stream was still backlogged when the late one finished
+
+
+def test_admission_does_not_count_work_past_saving_ahead_of_a_newcomer() -> None:
+    """The wait estimate of a savable newcomer ignores a late prompt (slo), counts it (fcfs), and
+    still counts work that is urgent but savable."""
+    waits = {}
+    for policy in ("slo", "fcfs"):
+        scheduler = _scheduler(policy, ttft_s=2.0)
+        run = _Run(scheduler)
+        run.add("late", 3000, age_s=100.0)
+        now = time.monotonic()
+        waits[policy] = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now)
+    assert waits["slo"] < 2.0 < waits["fcfs"]  # 3000 tokens = 3 s of prefill ahead under fcfs
+    scheduler = _scheduler("slo", ttft_s=2.0)
+    run = _Run(scheduler)
+    run.add("urgent", 1200, age_s=0.5)  # 1.2 s of prefill, 1.5 s left: savable, and urgent
+    now = time.monotonic()
+    wait = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now)
+    assert wait >= 1.2
+    # A newcomer with its own looser target is admitted against that target, not --slo-ttft.
+    assert scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now, ttft_s=30.0) >= 1.2
