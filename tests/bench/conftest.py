@@ -57,7 +57,10 @@ def fake_server() -> Iterator[FakeServerProcess]:
 
 
 def run_bench(argv: list[str]) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """Parse `tailserve bench ARGV` with the real CLI parser and run it in-process."""
+    """Parse `tailserve bench ARGV` with the real CLI parser and run it in-process. Calibration is
+    off unless asked for: it would send requests of its own ahead of a test's scripted ones."""
+    if "--calibrate" not in argv:
+        argv = ["--no-calibrate", *argv]
     args = build_parser().parse_args(["bench", *argv])
     settings = settings_from_args(args)
     tokenizer = load_tokenizer(args.tokenizer)

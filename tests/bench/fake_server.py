@@ -4,6 +4,9 @@ Runs as its own process (`python fake_server.py --model NAME [--api-key KEY]`, p
 its timers do not share a GIL with the client under test. POST /_script sets the behaviour of the
 next requests (the i-th completion request gets script[i % len]); GET /_log returns what it received.
 Chunks are emitted on an absolute schedule from the request's arrival: arrival + ttft + sum(gaps).
+A behaviour with `ttft_per_prompt_byte_s` adds that much TTFT per byte of prompt and reports the
+prompt's bytes as usage.prompt_tokens (a server whose prefill is a known line). POST /_metrics sets
+the Prometheus gauges GET /metrics serves: name -> list of values, one per scrape, the last repeated.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class FakeServer:
         self.script: list[dict[str, Any]] = [DEFAULT_BEHAVIOUR]
         self.count = 0
         self.log: list[dict[str, Any]] = []
+        self.metrics: dict[str, list[float]] | None = None
+        self.scrapes = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -58,6 +63,11 @@ class FakeServer:
             return await _send_json(writer, 200, {"ok": True})
         if path == "/_log":
             return await _send_json(writer, 200, self.log)
+        if path == "/_metrics" and method == "POST":
+            self.metrics, self.scrapes = json.loads(body), 0
+            return await _send_json(writer, 200, {"ok": True})
+        if path == "/metrics":
+            return await self.send_metrics(writer)
         if path == "/ready":
             return await _send_json(writer, 200, {"ready": True})
         if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
@@ -75,7 +85,23 @@ class FakeServer:
         self.count += 1
         entry: dict[str, Any] = {"arrival": arrival, "body": request, "behaviour": behaviour, "emits": []}
         self.log.append(entry)
-        await self.stream(writer, path.endswith("chat/completions"), behaviour, arrival, entry["emits"])
+        await self.stream(
+            writer, path.endswith("chat/completions"), behaviour, arrival, entry["emits"], request
+        )
+
+    async def send_metrics(self, writer: asyncio.StreamWriter) -> None:
+        if self.metrics is None:
+            return await _send_json(writer, 404, {"error": {"message": "no metrics"}})
+        lines = []
+        for name, values in self.metrics.items():
+            lines += [f"# TYPE {name} gauge", f"{name} {values[min(self.scrapes, len(values) - 1)]}"]
+        self.scrapes += 1
+        payload = ("\n".join(lines) + "\n").encode()
+        writer.write(
+            f"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
 
     async def stream(
         self,
@@ -84,6 +110,7 @@ class FakeServer:
         b: dict[str, Any],
         arrival: float,
         emits: list[float],
+        request: dict[str, Any],
     ) -> None:
         status = int(b.get("status", 200))
         if status != 200:
@@ -101,7 +128,14 @@ class FakeServer:
             await _send_chunk(
                 writer, _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             )
-        due = arrival + float(b.get("ttft_s", 0.01))
+        prompt_tokens = 7
+        if "ttft_per_prompt_byte_s" in b:
+            prompt_tokens = _prompt_bytes(request)
+        due = (
+            arrival
+            + float(b.get("ttft_s", 0.01))
+            + float(b.get("ttft_per_prompt_byte_s", 0.0)) * prompt_tokens
+        )
         sent = 0
         for i in range(n_chunks):
             if i > 0:
@@ -129,7 +163,7 @@ class FakeServer:
         if b.get("usage", True):
             final: dict[str, Any] = {
                 "choices": [],
-                "usage": {"prompt_tokens": 7, "completion_tokens": tokens},
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens},
             }
             if b.get("timings"):
                 final["tailserve_timings"] = b["timings"]
@@ -137,6 +171,12 @@ class FakeServer:
         if b.get("done", True):
             await _send_chunk(writer, b"data: [DONE]\n\n")
         await _send_chunk(writer, b"")
+
+
+def _prompt_bytes(request: dict[str, Any]) -> int:
+    if "messages" in request:
+        return sum(len(str(m.get("content", "")).encode()) for m in request["messages"])
+    return len(str(request.get("prompt", "")).encode())
 
 
 async def _sleep_until(due: float) -> None:

@@ -22,7 +22,8 @@ FAST = {"ttft_s": 0.01, "itl_s": 0.005, "tokens": 3}
 
 def bench(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str]:
     code = main(
-        ["bench", "--no-progress", "--warmup", "0", "--out", str(out), "--output-len", "fixed:3", *argv]
+        ["bench", "--no-progress", "--no-calibrate", "--warmup", "0", "--out", str(out), "--output-len", "fixed:3",
+         *argv]
     )
     captured = capsys.readouterr()
     return code, captured.out + captured.err
@@ -187,7 +188,7 @@ def test_ctrl_c_ends_cleanly_with_a_partial_report(tmp_path: Path, fake_server: 
     out = tmp_path / "r"
     cmd = [
         sys.executable, "-m", "tailserve.cli", "bench", "--base-url", fake_server.url, "--arrival", "constant",
-        "--rate", "10", "--duration", "60", "--warmup", "0", "--progress", "--out", str(out), "--output-len", "fixed:20",
+        "--rate", "10", "--duration", "60", "--warmup", "0", "--progress", "--no-calibrate", "--out", str(out), "--output-len", "fixed:20",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
@@ -208,7 +209,10 @@ def test_ctrl_c_ends_cleanly_with_a_partial_report(tmp_path: Path, fake_server: 
 
 
 def _main(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str]:
-    code = main(["bench", "--no-progress", "--no-html", "--out", str(out), "--output-len", "fixed:3", *argv])
+    code = main(
+        ["bench", "--no-progress", "--no-calibrate", "--no-html", "--out", str(out), "--output-len", "fixed:3",
+         *argv]
+    )
     captured = capsys.readouterr()
     return code, captured.out + captured.err
 

@@ -17,7 +17,8 @@ from tailserve.bench.load_loop import ClientHealth, RunControl, RunOutcome
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.result import BenchSettings, build_result, load_result, write_json
 from tailserve.bench.stats import SloTargets
-from tailserve.bench.summary import format_capacity, format_compare, format_summary
+from tailserve.bench.summary import format_capacity, format_summary
+from tailserve.bench.verdicts import format_compare
 from tailserve.cli import main
 from tests.bench.conftest import CHROMIUM, make_record, render_in_chromium
 
@@ -75,8 +76,8 @@ def test_cdf_points_keep_the_tail() -> None:
 def test_html_is_self_contained_with_plots() -> None:
     result, records = constructed_result(capacity=True)
     page = render_html(result, records)
-    # 4 CDFs + TTFT, TPOT and throughput over time + 2 capacity charts.
-    assert page.count("<svg") == 9
+    # 4 CDFs + TTFT, TPOT and throughput over time + P99 TTFT/TPOT per window + 2 capacity charts.
+    assert page.count("<svg") == 11
     # Nothing that would load from elsewhere: no scripts, stylesheets, images, fonts or imports.
     assert not re.search(r"<script|<link|<img|<iframe|\bsrc=|\bhref=|url\(|@import", page)
     assert "warm-up" in page and "window P99" in page
@@ -88,21 +89,24 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
     page.write_text(render_html(result, records))
     dom, shot = render_in_chromium(page, tmp_path)
-    assert dom.count("<svg") == 9
-    assert "Latency CDFs" in dom and "Capacity curve" in dom
+    assert dom.count("<svg") == 11
+    assert "Latency CDFs" in dom and "Capacity curve" in dom and "P99 TTFT over time" in dom
     assert shot.stat().st_size > 10_000  # a real picture, not a blank page
 
 
-def test_compare_prints_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_gives_verdicts_from_intervals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a, _ = constructed_result(1.0)
     b, _ = constructed_result(2.0)
     write_json(a, tmp_path / "a.json")
     write_json(b, tmp_path / "b.json")
     assert load_result(tmp_path / "a.json")["label"] == a["label"]
     table = format_compare([a, b], ["a", "b"])
-    assert "TTFT p99 (s)" in table and "(2.00x)" in table
+    rows = {(line[:16].strip(), line[16:21].strip()): line for line in table.splitlines()}
+    # Every TTFT is 2x: the medians' intervals are far apart; 276 requests give P99 no upper end.
+    assert "differ (2.00x)" in rows[("TTFT (s)", "p50")]
+    assert "not enough data" in rows[("TTFT (s)", "p99")] and "x)" not in rows[("TTFT (s)", "p99")]
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
-    assert "(2.00x)" in capsys.readouterr().out
+    assert "differ (2.00x)" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2
     assert "not a tailserve bench result" in capsys.readouterr().err

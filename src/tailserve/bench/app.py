@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tailserve.bench.arrivals import OPEN_LOOP_KINDS, ArrivalSpec, schedule_offsets
+from tailserve.bench.calibration import Calibration, calibrate, calibration_lengths
 from tailserve.bench.capacity_search import (
     CapacityPoint,
     CapacitySearch,
@@ -41,10 +42,12 @@ from tailserve.bench.result import (
     write_json,
     write_jsonl,
 )
+from tailserve.bench.server_samples import ServerSampler
 from tailserve.bench.stats import SloTargets
-from tailserve.bench.summary import format_capacity, format_compare, format_summary
+from tailserve.bench.summary import format_capacity, format_summary
 from tailserve.bench.tokenizers import PromptTokenizer, load_tokenizer
 from tailserve.bench.trace import load_trace
+from tailserve.bench.verdicts import compare_document, format_compare
 from tailserve.bench.workload import (
     PRESETS,
     Preset,
@@ -149,6 +152,15 @@ def settings_from_args(
     if duration is not None and duration <= 0:
         raise BenchConfigError("--duration must be > 0")
     warmup, warmup_requests = _warmup(args, preset, requests)
+    if not 0.5 <= args.ci_level < 1.0:
+        raise BenchConfigError("--ci-level must be in [0.5, 1) (e.g. 0.95)")
+    if args.calibration_repeats < 1:
+        raise BenchConfigError("--calibration-repeats must be >= 1")
+    calibrate_on = args.calibrate
+    if calibrate_on is None:
+        calibrate_on = workload is not None and workload.input_len.kind == "longtail"
+    if calibrate_on and workload is None:
+        raise BenchConfigError("--calibrate needs a length distribution (not --trace)")
     control = RunControl(
         num_requests=requests,
         duration_s=duration,
@@ -172,6 +184,9 @@ def settings_from_args(
         trace_speed=args.trace_speed,
         label=args.label,
         seed=args.seed,
+        ci_level=args.ci_level,
+        calibrate=calibrate_on,
+        calibration_repeats=args.calibration_repeats,
     )
 
 
@@ -252,13 +267,51 @@ def make_load_loop(settings: BenchSettings, tokenizer: PromptTokenizer, source: 
     return LoadLoop(settings.target, control, tokenizer, generator=generator)
 
 
-async def run_once(
+async def run_calibration(
     settings: BenchSettings, tokenizer: PromptTokenizer, source: PromptSource
+) -> Calibration | None:
+    """The idle-server TTFT-vs-length line, when the settings ask for it (before any load)."""
+    if not settings.calibrate or settings.workload is None:
+        return None
+    lengths = calibration_lengths(settings.workload.input_len, settings.seed)
+    print(
+        f"calibrating: {len(lengths)} prompt lengths x {settings.calibration_repeats}, one at a time ...",
+        file=sys.stderr,
+    )
+    return await calibrate(
+        settings.target, tokenizer, source, lengths, settings.calibration_repeats, settings.seed
+    )
+
+
+async def run_once(
+    settings: BenchSettings,
+    tokenizer: PromptTokenizer,
+    source: PromptSource,
+    calibration: Calibration | None = None,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """One complete run: schedule, send, measure, build the result document."""
+    """One complete run: calibrate (unless given), schedule, send, measure, build the result document."""
+    if calibration is None:
+        calibration = await run_calibration(settings, tokenizer, source)
     loop = make_load_loop(settings, tokenizer, source)
+    sampler = ServerSampler(settings.target, _warmup_end_s(settings, loop))
+    await sampler.start()
     outcome = await loop.run()
-    return build_result(outcome, settings), outcome.records
+    await sampler.finish()
+    return build_result(outcome, settings, calibration, sampler.to_json()), outcome.records
+
+
+def _warmup_end_s(settings: BenchSettings, loop: LoadLoop) -> float | None:
+    """When warm-up ends, from the run start: its seconds, else the due time of the first measured
+    request of an open-loop schedule; None when it cannot be known ahead (closed loop by count)."""
+    control = settings.control
+    if control.warmup_s > 0:
+        return control.warmup_s
+    if control.warmup_requests and loop.conversations:
+        turns = max(1, len(loop.conversations[0].turns))
+        offsets = sorted(c.offset_s for c in loop.conversations if c.offset_s is not None)
+        if offsets:
+            return offsets[min(len(offsets) - 1, -(-control.warmup_requests // turns))]
+    return None
 
 
 def output_paths(prefix: str | None, action: str) -> tuple[Path, Path, Path]:
@@ -316,11 +369,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     source = PromptSource(tokenizer)
     runs: dict[float, tuple[dict[str, Any], list[RequestRecord]]] = {}
+    calibration = asyncio.run(run_calibration(base, tokenizer, source))
 
     async def probe(rate: float) -> CapacityPoint:
         settings = replace(base, arrival=ArrivalSpec(kind="poisson", rate_per_s=rate), control=probe_control)
         print(f"capacity: probing {rate:.3g} req/s ...", file=sys.stderr)
-        result, records = await run_once(settings, tokenizer, source)
+        result, records = await run_once(settings, tokenizer, source, calibration)
         runs[rate] = (result, records)
         point = point_from_result(rate, result)
         print(f"capacity: {rate:.3g} req/s -> {'PASS' if point.passed else 'FAIL'}", file=sys.stderr)
@@ -349,4 +403,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     docs = [load_result(path) for path in args.files]
     names = [Path(p).stem for p in args.files]
     print(format_compare(docs, names))
+    if args.out:
+        path = Path(args.out.removesuffix(".json") + ".json")
+        write_json(compare_document(docs, names), path)
+        print(f"saved: {path}", file=sys.stderr)
     return 0

@@ -102,7 +102,27 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--cooldown", type=float, default=0.0, help="seconds at the end whose requests are excluded"
     )
-    g.add_argument("--window", type=float, default=30.0, help="seconds per window for P99-over-time")
+    g.add_argument(
+        "--window",
+        "--window-s",
+        dest="window",
+        type=float,
+        default=30.0,
+        help="seconds per window for P99-over-time (a soak: 300)",
+    )
+    g.add_argument(
+        "--ci-level", type=float, default=0.95, help="confidence level of every percentile's interval"
+    )
+    g.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="first measure idle TTFT vs prompt length, for slowdown and queue delay "
+        "(default: on for longtail input lengths)",
+    )
+    g.add_argument(
+        "--calibration-repeats", type=int, default=3, help="calibration requests per prompt length"
+    )
     g.add_argument(
         "--out", help="output path prefix for .json/.jsonl/.html (default bench-results/<action>-<time>)"
     )

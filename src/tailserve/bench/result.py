@@ -15,8 +15,10 @@ from typing import Any
 
 from tailserve import __version__
 from tailserve.bench.arrivals import ArrivalSpec
+from tailserve.bench.calibration import Calibration
 from tailserve.bench.client import TargetConfig
 from tailserve.bench.errors import ResultFileError
+from tailserve.bench.intervals import DEFAULT_CI_LEVEL, min_count_for_upper_bound
 from tailserve.bench.load_loop import RunControl, RunOutcome
 from tailserve.bench.records import FATAL_ERROR_KINDS, RequestRecord
 from tailserve.bench.stats import (
@@ -36,6 +38,8 @@ SCHEMA_VERSION = 1
 # An output this much shorter than max_tokens means the server stopped early (EOS not ignored).
 _SHORT_OUTPUT = 0.9
 _ALERT_OVER_TARGET = 1.5
+# Below this many values, nearest-rank P99 is the largest one (ceil(0.99 n) = n exactly when n < 100).
+SMALL_SAMPLE = 100
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class BenchSettings:
     trace_speed: float = 1.0
     label: str | None = None
     seed: int = 0
+    ci_level: float = DEFAULT_CI_LEVEL
+    calibrate: bool = False
+    calibration_repeats: int = 3
 
     def to_json(self) -> dict[str, Any]:
         workload = None
@@ -79,10 +86,17 @@ class BenchSettings:
             "trace": self.trace,
             "trace_speed": self.trace_speed,
             "seed": self.seed,
+            "ci_level": self.ci_level,
+            "calibrate": self.calibrate,
         }
 
 
-def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]:
+def build_result(
+    outcome: RunOutcome,
+    settings: BenchSettings,
+    calibration: Calibration | None = None,
+    server_samples: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Classify phases, compute every metric on the measured requests, return the result document."""
     records = outcome.records
     control = settings.control
@@ -100,15 +114,19 @@ def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]
     rates = throughput(measured, settings.slo)
     attribution = attribute_slowest(measured)
     queue = [r.server_timings["queue_s"] for r in ok if r.server_timings and "queue_s" in r.server_timings]
+    level = settings.ci_level
+    slowdown, queue_delay = interference(ok, calibration)
     metrics = {
-        "ttft_s": summarize(v for r in ok if (v := r.ttft_s) is not None),
-        "tpot_s": summarize(v for r in ok if (v := r.tpot_s) is not None),
-        "itl_s": summarize(g for r in ok for g in r.itl_s()),
-        "e2e_s": summarize(v for r in ok if (v := r.e2e_s) is not None),
-        "queue_s": summarize(queue),
-        "client_queue_s": summarize(r.client_queue_s for r in measured if r.scheduled_s is not None),
-        "input_tokens": summarize(float(r.input_tokens) for r in ok),
-        "output_tokens": summarize(float(r.output_tokens) for r in ok),
+        "ttft_s": summarize((v for r in ok if (v := r.ttft_s) is not None), level),
+        "tpot_s": summarize((v for r in ok if (v := r.tpot_s) is not None), level),
+        "itl_s": summarize((g for r in ok for g in r.itl_s()), level),
+        "e2e_s": summarize((v for r in ok if (v := r.e2e_s) is not None), level),
+        "slowdown": summarize(slowdown, level),
+        "queue_delay_s": summarize(queue_delay, level),
+        "queue_s": summarize(queue, level),
+        "client_queue_s": summarize((r.client_queue_s for r in measured if r.scheduled_s is not None), level),
+        "input_tokens": summarize((float(r.input_tokens) for r in ok), level),
+        "output_tokens": summarize((float(r.output_tokens) for r in ok), level),
     }
     result: dict[str, Any] = {
         "schema": SCHEMA,
@@ -142,10 +160,9 @@ def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]
             "goodput_per_s": rates.goodput_per_s,
             "goodput_fraction": rates.goodput_fraction,
         },
-        "windows": {
-            "window_s": settings.window_s,
-            "rows": [asdict(w) for w in windows(measured, settings.window_s)],
-        },
+        "windows": _windows_section(measured, settings, metrics),
+        "calibration": calibration.to_json() if calibration else None,
+        "server_samples": server_samples,
         "attribution": asdict(attribution) if attribution else None,
         "client": asdict(outcome.client) if outcome.client else None,
         "output_length": _output_length(ok),
@@ -154,6 +171,40 @@ def build_result(outcome: RunOutcome, settings: BenchSettings) -> dict[str, Any]
     }
     result["warnings"] = _warnings(result, records, settings)
     return result
+
+
+def interference(ok: list[RequestRecord], calibration: Calibration | None) -> tuple[list[float], list[float]]:
+    """Per-request slowdown (TTFT / isolated TTFT at its prompt length) and queue delay (TTFT -
+    isolated TTFT), from the calibration line; empty without one."""
+    if calibration is None or calibration.fit is None:
+        return [], []
+    slowdown, delay = [], []
+    for r in ok:
+        ttft = r.ttft_s
+        if ttft is None:
+            continue
+        isolated = calibration.fit.isolated_ttft_s(r.input_tokens or r.planned_input_tokens)
+        if isolated > 0:
+            slowdown.append(ttft / isolated)
+        delay.append(ttft - isolated)
+    return slowdown, delay
+
+
+def _windows_section(
+    measured: list[RequestRecord], settings: BenchSettings, metrics: dict[str, Any]
+) -> dict[str, Any]:
+    rows = windows(measured, settings.window_s, settings.ci_level)
+    section: dict[str, Any] = {
+        "window_s": settings.window_s,
+        "ci_level": settings.ci_level,
+        "rows": [asdict(w) for w in rows],
+    }
+    for key, attr in (("ttft", "ttft_p99_s"), ("tpot", "tpot_p99_s")):
+        whole = metrics[f"{key}_s"]
+        values = [v for w in rows if (v := getattr(w, attr)) is not None]
+        ratio = max(values) / whole.p99 if len(rows) >= 2 and values and whole and whole.p99 > 0 else None
+        section[f"{key}_p99_max_over_run"] = ratio
+    return section
 
 
 def _output_length(ok: list[RequestRecord]) -> dict[str, Any]:
@@ -198,6 +249,7 @@ def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: Be
             out.append(
                 f"{name[:-2].upper()} P99 is {summary['p99_over_mean']:.1f}x its mean (well-run: <= 1.5x)"
             )
+    out += _small_sample_warnings(result["metrics"])
     for verdict in result["slo"]["verdicts"]:
         observed = verdict["observed"]
         if (
@@ -223,6 +275,22 @@ def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: Be
     fatal = {k: v for k, v in result["errors"]["all_phases"].items() if k in FATAL_ERROR_KINDS}
     if fatal:
         out.append(f"requests failed in ways that point at the setup, not the load: {fatal}")
+    return out
+
+
+def _small_sample_warnings(metrics: dict[str, Any]) -> list[str]:
+    """A P99 of fewer than 100 values is their maximum (nearest rank); say so where it is reported."""
+    out = []
+    for name in ("ttft_s", "tpot_s", "e2e_s", "slowdown", "queue_delay_s"):
+        summary = metrics.get(name)
+        if summary and summary["count"] < SMALL_SAMPLE:
+            label = name.removesuffix("_s").replace("_", " ")
+            label = label.upper() if label in ("ttft", "tpot", "e2e") else label
+            out.append(
+                f"{label} P99 of {summary['count']} requests = their maximum "
+                f"(fewer than {SMALL_SAMPLE}; its interval has no upper end below "
+                f"{min_count_for_upper_bound(99.0, summary['ci_level'])} requests)"
+            )
     return out
 
 

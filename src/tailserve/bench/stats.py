@@ -1,7 +1,8 @@
 """Metric math on raw per-request values: nearest-rank percentiles, summaries, SLOs, goodput, windows.
 
 Percentiles are nearest-rank on the raw values (the value at rank ceil(q/100 * n) of the sorted list),
-never interpolated and never computed from per-window aggregates. Pure functions, no I/O.
+never interpolated and never computed from per-window aggregates; each comes with its distribution-free
+interval (bench/intervals.py). Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from tailserve.bench.intervals import DEFAULT_CI_LEVEL, percentile_interval
 from tailserve.bench.records import RequestRecord
+
+Interval = tuple[float | None, float | None]
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0)
 # SPEC.md: a well-run service keeps P99 within 1.5x of the mean; alert when P99 > 1.5x its target.
@@ -38,17 +42,47 @@ class Summary:
     max: float
     min: float
     p99_over_mean: float | None
+    ci_level: float = DEFAULT_CI_LEVEL
+    p50_ci: Interval = (None, None)
+    p90_ci: Interval = (None, None)
+    p95_ci: Interval = (None, None)
+    p99_ci: Interval = (None, None)
+    p99_over_mean_ci: Interval = (None, None)
 
 
-def summarize(values: Iterable[float]) -> Summary | None:
-    """Mean, nearest-rank percentiles, extremes; None for no values."""
+def summarize(values: Iterable[float], ci_level: float = DEFAULT_CI_LEVEL) -> Summary | None:
+    """Mean, nearest-rank percentiles with their intervals, extremes; None for no values."""
     data = sorted(values)
     if not data:
         return None
     mean = math.fsum(data) / len(data)
     p50, p90, p95, p99 = (nearest_rank(data, q) for q in PERCENTILES)
+    ci50, ci90, ci95, ci99 = (percentile_interval(data, q, ci_level) for q in PERCENTILES)
     ratio = p99 / mean if mean > 0 else None
-    return Summary(len(data), mean, p50, p90, p95, p99, data[-1], data[0], ratio)
+    ratio_ci: Interval = (None, None)
+    if mean > 0:
+        ratio_ci = (_over(ci99[0], mean), _over(ci99[1], mean))
+    return Summary(
+        len(data),
+        mean,
+        p50,
+        p90,
+        p95,
+        p99,
+        data[-1],
+        data[0],
+        ratio,
+        ci_level,
+        ci50,
+        ci90,
+        ci95,
+        ci99,
+        ratio_ci,
+    )
+
+
+def _over(value: float | None, divisor: float) -> float | None:
+    return None if value is None else value / divisor
 
 
 @dataclass(frozen=True)
@@ -152,10 +186,16 @@ class WindowRow:
     ttft_p99_s: float | None
     tpot_p99_s: float | None
     e2e_p99_s: float | None
+    ok: int = 0
+    ttft_p99_ci: Interval = (None, None)
+    tpot_p99_ci: Interval = (None, None)
+    e2e_p99_ci: Interval = (None, None)
 
 
-def windows(measured: Sequence[RequestRecord], window_s: float) -> list[WindowRow]:
-    """Per-window P99 of TTFT, TPOT and E2E, by send time, to show tail drift over a soak."""
+def windows(
+    measured: Sequence[RequestRecord], window_s: float, ci_level: float = DEFAULT_CI_LEVEL
+) -> list[WindowRow]:
+    """Per-window P99 of TTFT, TPOT and E2E with intervals, by send time, to show tail drift over a soak."""
     if not measured or window_s <= 0:
         return []
     origin = min(r.sent_s for r in measured)
@@ -165,23 +205,32 @@ def windows(measured: Sequence[RequestRecord], window_s: float) -> list[WindowRo
         lo, hi = origin + k * window_s, origin + (k + 1) * window_s
         inside = [r for r in measured if lo <= r.sent_s < hi]
         ok = [r for r in inside if r.ok]
+        ttft = _p99(ci_level, (r.ttft_s for r in ok))
+        tpot = _p99(ci_level, (r.tpot_s for r in ok))
+        e2e = _p99(ci_level, (r.e2e_s for r in ok))
         rows.append(
             WindowRow(
                 lo,
                 hi,
                 len(inside),
                 len(inside) - len(ok),
-                _p99(r.ttft_s for r in ok),
-                _p99(r.tpot_s for r in ok),
-                _p99(r.e2e_s for r in ok),
+                ttft[0],
+                tpot[0],
+                e2e[0],
+                len(ok),
+                ttft[1],
+                tpot[1],
+                e2e[1],
             )
         )
     return rows
 
 
-def _p99(values: Iterable[float | None]) -> float | None:
+def _p99(ci_level: float, values: Iterable[float | None]) -> tuple[float | None, Interval]:
     data = sorted(v for v in values if v is not None)
-    return nearest_rank(data, 99.0) if data else None
+    if not data:
+        return None, (None, None)
+    return nearest_rank(data, 99.0), percentile_interval(data, 99.0, ci_level)
 
 
 @dataclass(frozen=True)

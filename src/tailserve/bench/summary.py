@@ -1,4 +1,4 @@
-"""Plain-text views of result documents: the run summary, `compare`, and the capacity curve.
+"""Plain-text views of result documents: the run summary and the capacity curve (`compare`: verdicts.py).
 
 Reads only the result JSON (docs/BENCH.md), so a saved file prints exactly like a live run.
 """
@@ -13,12 +13,31 @@ METRIC_ROWS = (
     ("tpot_s", "TPOT", 1000.0, "ms"),
     ("itl_s", "ITL", 1000.0, "ms"),
     ("e2e_s", "E2E", 1.0, "s"),
+    ("slowdown", "slowdown", 1.0, "x"),
+    ("queue_delay_s", "queue delay", 1.0, "s"),
     ("queue_s", "server queue", 1.0, "s"),
     ("client_queue_s", "client queue", 1000.0, "ms"),
     ("input_tokens", "input tokens", 1.0, ""),
     ("output_tokens", "output tokens", 1.0, ""),
 )
 _STATS = ("mean", "p50", "p90", "p95", "p99", "max")
+# Latency rows that get an interval line under them in the terminal table.
+_COL = 14
+_CI_ROWS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "slowdown", "queue_delay_s")
+
+
+def _ci_cells(summary: dict[str, Any], scale: float) -> str:
+    """The interval row under a metric: blank under mean and max, [lo, hi] under each percentile."""
+    cells = []
+    for stat in _STATS:
+        ci = summary.get(f"{stat}_ci")
+        if not ci:
+            cells.append(f"{'':>{_COL}}")
+            continue
+        lo = "-inf" if ci[0] is None else fmt_num(ci[0], scale)
+        hi = "+inf" if ci[1] is None else fmt_num(ci[1], scale)
+        cells.append(f"{'[' + lo + ',' + hi + ']':>{_COL}}")
+    return "".join(cells)
 
 
 def fmt_num(value: float | None, scale: float = 1.0) -> str:
@@ -50,15 +69,31 @@ def format_summary(result: dict[str, Any]) -> str:
         f"{counts['ok']} ok, {counts['failed']} failed"
     )
     lines.append("")
-    lines.append(f"{'metric':<20}" + "".join(f"{s:>10}" for s in (*_STATS, "p99/mean")))
+    lines.append(f"{'metric':<20}" + "".join(f"{s:>{_COL}}" for s in (*_STATS, "p99/mean")))
     for key, label, scale, unit in METRIC_ROWS:
         summary = result["metrics"].get(key)
         if not summary:
             continue
         name = f"{label} ({unit})" if unit else label
-        cells = "".join(f"{fmt_num(summary[s], scale):>10}" for s in _STATS)
+        cells = "".join(f"{fmt_num(summary[s], scale):>{_COL}}" for s in _STATS)
         ratio = summary.get("p99_over_mean")
-        lines.append(f"{name:<20}{cells}{(f'{ratio:.2f}x' if ratio else '-'):>10}")
+        lines.append(f"{name:<20}{cells}{(f'{ratio:.2f}x' if ratio else '-'):>{_COL}}")
+        if key in _CI_ROWS and summary.get("p99_ci"):
+            lines.append(f"{'':<20}" + _ci_cells(summary, scale) + f"   n={summary['count']}")
+    level = next((m.get("ci_level") for m in result["metrics"].values() if m and m.get("ci_level")), None)
+    if level:
+        lines.append(
+            f"[lo, hi]: {level:.0%} distribution-free interval of each percentile (order statistics); "
+            "+inf: too few values for an upper end"
+        )
+    calibration = result.get("calibration")
+    if calibration and calibration.get("fit"):
+        fit = calibration["fit"]
+        lines.append(
+            f"calibration: isolated TTFT = {fit['intercept_s']:.4f} s + {fit['slope_s_per_token'] * 1000:.4f} ms/token"
+            f" x prompt tokens ({len(calibration['points'])} idle requests, {fit['min_tokens']}-{fit['max_tokens']}"
+            " tokens); slowdown = TTFT / isolated, queue delay = TTFT - isolated"
+        )
     tp, slo = result["throughput"], result["slo"]
     lines.append("")
     frac = slo["goodput_fraction"]
@@ -148,34 +183,31 @@ def _window_lines(windows: dict[str, Any]) -> list[str]:
     rows = windows["rows"]
     if len(rows) < 2:
         return []
-    out = [f"P99 per {windows['window_s']:g} s window:  start   sent  fail  TTFT(s)  TPOT(ms)  E2E(s)"]
+    out = [
+        f"P99 per {windows['window_s']:g} s window:  start   sent  fail  TTFT(s) [interval]      "
+        "TPOT(ms) [interval]     E2E(s)"
+    ]
     for r in rows:
+        ttft = _with_ci(r["ttft_p99_s"], r.get("ttft_p99_ci"), 1.0)
+        tpot = _with_ci(r["tpot_p99_s"], r.get("tpot_p99_ci"), 1000.0)
         out.append(
-            f"{'':26}{r['start_s']:6.0f} {r['sent']:6d} {r['failed']:5d} {fmt_num(r['ttft_p99_s']):>8} "
-            f"{fmt_num(r['tpot_p99_s'], 1000):>9} {fmt_num(r['e2e_p99_s']):>7}"
+            f"{'':26}{r['start_s']:6.0f} {r['sent']:6d} {r['failed']:5d}  {ttft:<22} {tpot:<22} "
+            f"{fmt_num(r['e2e_p99_s']):>7}"
         )
+    for key, label in (("ttft_p99_max_over_run", "TTFT"), ("tpot_p99_max_over_run", "TPOT")):
+        if windows.get(key) is not None:
+            out.append(f"{'':26}highest window P99 {label} = {windows[key]:.2f}x the whole run's P99")
     return out
 
 
-# Rows of `compare`: (label, path into the result document, display scale)
-COMPARE_ROWS: tuple[tuple[str, tuple[str, ...], float], ...] = (
-    ("TTFT p50 (s)", ("metrics", "ttft_s", "p50"), 1.0),
-    ("TTFT p99 (s)", ("metrics", "ttft_s", "p99"), 1.0),
-    ("TPOT p50 (ms)", ("metrics", "tpot_s", "p50"), 1000.0),
-    ("TPOT p99 (ms)", ("metrics", "tpot_s", "p99"), 1000.0),
-    ("ITL p99 (ms)", ("metrics", "itl_s", "p99"), 1000.0),
-    ("E2E p50 (s)", ("metrics", "e2e_s", "p50"), 1.0),
-    ("E2E p99 (s)", ("metrics", "e2e_s", "p99"), 1.0),
-    ("E2E p99/mean", ("metrics", "e2e_s", "p99_over_mean"), 1.0),
-    ("queue p99 (s)", ("metrics", "queue_s", "p99"), 1.0),
-    ("requests/s", ("throughput", "requests_per_s"), 1.0),
-    ("output tok/s", ("throughput", "output_tokens_per_s"), 1.0),
-    ("total tok/s", ("throughput", "total_tokens_per_s"), 1.0),
-    ("goodput req/s", ("slo", "goodput_per_s"), 1.0),
-    ("measured requests", ("counts", "measured"), 1.0),
-    ("failed requests", ("counts", "failed"), 1.0),
-    ("max rate meeting SLOs", ("capacity", "max_rate_per_s"), 1.0),
-)
+def _with_ci(value: float | None, ci: list[float | None] | None, scale: float) -> str:
+    if value is None:
+        return "-"
+    if not ci:
+        return fmt_num(value, scale)
+    lo = "-inf" if ci[0] is None else fmt_num(ci[0], scale)
+    hi = "+inf" if ci[1] is None else fmt_num(ci[1], scale)
+    return f"{fmt_num(value, scale)} [{lo}, {hi}]"
 
 
 def lookup(doc: dict[str, Any], path: tuple[str, ...]) -> float | None:
@@ -186,28 +218,6 @@ def lookup(doc: dict[str, Any], path: tuple[str, ...]) -> float | None:
             return None
         node = node[key]
     return float(node) if isinstance(node, int | float) else None
-
-
-def format_compare(docs: list[dict[str, Any]], names: list[str]) -> str:
-    """Side-by-side table; every column after the first also shows its ratio to the first."""
-    header = f"{'metric':<22}" + "".join(f"{n[:18]:>20}" for n in names)
-    lines = [header, "-" * len(header)]
-    for label, path, scale in COMPARE_ROWS:
-        values = [lookup(d, path) for d in docs]
-        if all(v is None for v in values):
-            continue
-        base = values[0]
-        cells = []
-        for i, v in enumerate(values):
-            text = fmt_num(v, scale)
-            if i > 0 and v is not None and base:
-                text += f" ({v / base:.2f}x)"
-            cells.append(f"{text:>20}")
-        lines.append(f"{label:<22}" + "".join(cells))
-    verdicts = ["PASS" if d["slo"]["all_pass"] else "FAIL" for d in docs]
-    lines.append(f"{'all SLOs':<22}" + "".join(f"{v:>20}" for v in verdicts))
-    lines.append("ratios are column / first column")
-    return "\n".join(lines)
 
 
 def format_capacity(capacity: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Minimal inline-SVG charts for the HTML report: lines, steps, scatter, shaded bands, axes with ticks.
+"""Minimal inline-SVG charts for the HTML report: lines, steps, scatter, interval bars, shaded bands, axes.
 
 Self-contained on purpose (no plotting library, no script, no CDN): the report must open offline and
 render the same in any browser. Only what the report needs; not a general plotting library.
@@ -17,13 +17,18 @@ _MARKED_POINTS = 30
 
 @dataclass(frozen=True)
 class Series:
-    """One plotted series; `style` is `line`, `step` (post-step, for CDFs and windows) or `scatter`."""
+    """One plotted series; `style` is `line`, `step` (post-step, for CDFs and windows) or `scatter`.
+
+    `intervals`, when given, holds one (lo, hi) per point, drawn as a vertical bar with caps; a None
+    end is unbounded and the bar runs dashed to the chart's edge.
+    """
 
     name: str
     points: list[tuple[float, float]]
     style: str = "line"
     color: str | None = None
     dashed: bool = False
+    intervals: list[tuple[float | None, float | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Chart:
             + [v for v, _ in self.vlines]
         )
         ys = [y for s in self.series for _, y in s.points] + [h for h, _ in self.hlines]
+        ys += [v for s in self.series for ci in s.intervals for v in ci if v is not None]
         x_lo, x_hi = _span(xs)
         y_lo, y_hi = _span(ys + ([self.y_min] if self.y_min is not None else []))
         box = _Box(self.width, self.height, x_lo, x_hi, y_lo, y_hi * 1.05 if y_hi > 0 else y_hi)
@@ -74,6 +80,7 @@ class Chart:
         parts += [_rule(box, y, label, vertical=False) for y, label in self.hlines]
         for i, s in enumerate(self.series):
             parts.append(_series(box, s, s.color or PALETTE[i % len(PALETTE)]))
+            parts.append(_interval_bars(box, s, s.color or PALETTE[i % len(PALETTE)]))
         if not any(s.points for s in self.series):
             parts.append(
                 f'<text x="{self.width / 2:.0f}" y="{self.height / 2:.0f}" text-anchor="middle" '
@@ -182,6 +189,25 @@ def _series(box: _Box, s: Series, color: str) -> str:
         # Few points (a capacity curve): mark each measured one, the lines between are not data.
         svg += "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts)
     return svg
+
+
+def _interval_bars(box: _Box, s: Series, color: str) -> str:
+    """Vertical interval bars with caps; an unbounded end runs dashed to the plot's edge."""
+    bars = []
+    for (x, _), (lo, hi) in zip(s.points, s.intervals, strict=False):
+        px = box.px(x)
+        top = box.py(hi) if hi is not None else float(_MARGIN_TOP)
+        bottom = box.py(lo) if lo is not None else float(box.height - _MARGIN_BOTTOM)
+        dash = ' stroke-dasharray="3,2"' if hi is None or lo is None else ""
+        bars.append(
+            f'<line x1="{px:.1f}" y1="{top:.1f}" x2="{px:.1f}" y2="{bottom:.1f}" stroke="{color}"{dash}/>'
+        )
+        for y, end in ((top, hi), (bottom, lo)):
+            if end is not None:
+                bars.append(
+                    f'<line x1="{px - 4:.1f}" y1="{y:.1f}" x2="{px + 4:.1f}" y2="{y:.1f}" stroke="{color}"/>'
+                )
+    return f'<g class="intervals">{"".join(bars)}</g>' if bars else ""
 
 
 def _band(box: _Box, band: Band) -> str:
