@@ -27,6 +27,7 @@ from tailserve.engine.request import (
 )
 from tailserve.engine.scheduler import Scheduler, StepPlan
 from tailserve.engine.stats import EngineStats, QueueSnapshot, StepStats, step_kind
+from tailserve.engine.structured import GrammarCache
 from tailserve.errors import InvalidRequestError
 from tailserve.model.builder import build_runner
 from tailserve.model.loader import LoadedModel
@@ -60,6 +61,7 @@ class LLMEngine:
         self._seq = itertools.count()
         self._forks: dict[str, list[Request]] = {}  # parent id -> requests waiting to share its prompt
         self._rng = torch.Generator().manual_seed(config.model.seed)
+        self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
@@ -88,6 +90,8 @@ class LLMEngine:
             generator=torch.Generator().manual_seed(seed),
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        if params.grammar is not None:  # compiled already when the server sent it (else: compiled now)
+            req.grammar = self.grammars.matcher(params.grammar)
         self._requests[request_id] = req
         parent = self._requests.get(params.fork_of or "")
         if parent is not None and parent is not req and parent.prompt_token_ids == req.prompt_token_ids:
@@ -127,6 +131,7 @@ class LLMEngine:
             _chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids)
             for i, ((req, n), table) in enumerate(zip(plan.scheduled, plan.block_tables, strict=True))
         ]
+        self._fill_grammar_masks(plan, chunks)
         start = time.monotonic()
         sampled = self.runner.execute(chunks)
         now = time.monotonic()
@@ -141,7 +146,10 @@ class LLMEngine:
                 continue
             if (result := chunk.sampling.logprob_result) is not None:
                 req.logprobs.append(TokenLogprob(token, result[0], tuple(result[1])))
+            done = req.grammar is not None and (not req.grammar.accept(token) or req.grammar.terminated)
             reason = self.outputs.append_token(req, token, now)
+            if reason is None and done:  # the grammar is complete (its end token was the last taken)
+                reason = "stop"
             if reason is not None:
                 self._release_forks(req)
                 self.scheduler.finish(req, reason)
@@ -151,6 +159,16 @@ class LLMEngine:
         kind = step_kind(plan.num_decodes, len(plan.scheduled))
         self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
         return outputs
+
+    def _fill_grammar_masks(self, plan: StepPlan, chunks: list[SeqChunk]) -> None:
+        """The allowed-token bitmask of every sampling row that has a grammar (one tensor for all)."""
+        rows = [
+            (req, c) for (req, _), c in zip(plan.scheduled, chunks, strict=True) if c.sample and req.grammar
+        ]
+        if rows:
+            masks = self.grammars.bitmask([req.grammar for req, _ in rows])
+            for j, (_, chunk) in enumerate(rows):
+                chunk.sampling.token_bitmask = masks[j]
 
     def _fork_prompt(self, parent: Request, now: float) -> None:
         """The parent's prompt is computed: its waiting siblings take its full blocks by reference and

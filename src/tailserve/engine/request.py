@@ -42,6 +42,21 @@ def tpot_target_s(params: SamplingParams, default_s: float) -> float:
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint (compiled in engine/structured.py); equal specs share one grammar.
+
+    kind: "json_schema" (source: the schema as JSON text), "json_object" (any JSON object),
+    "regex", "grammar" (xgrammar EBNF), "choice" (source: a JSON list of strings), or "tool_call"
+    (source: the JSON schema of one Hermes-style `<tool_call>` body). `param` is the request field a
+    bad spec's 400 names.
+    """
+
+    kind: str
+    source: str = ""
+    param: str = field(default="structured_outputs", compare=False)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; validated on construction."""
 
@@ -63,6 +78,7 @@ class SamplingParams:
     # n > 1: the id of the request whose prompt (the same ids) this one shares. It waits until that
     # prompt is computed, then takes its full KV blocks by reference (KVCacheManager.fork).
     fork_of: str | None = None
+    grammar: GrammarSpec | None = None  # structured outputs: only tokens the grammar allows are sampled
     slo: SloTarget | None = None  # latency targets of this request (not sampling: scheduling and admission)
 
     def __post_init__(self) -> None:
@@ -292,6 +308,7 @@ class Request:
     text: str = ""  # decoded output so far (stop strings already cut)
     emitted_chars: int = 0  # how much of `text` callers have been given
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
+    grammar: Any = None  # engine.structured.GrammarMatcher when params.grammar is set
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -40,6 +40,9 @@ class SamplingSpec:
     num_prompt_tokens: int = 0
     logprobs: int | None = None
     logprob_result: tuple[float, list[tuple[int, float]]] | None = None  # written by `sample`
+    # Structured outputs: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is
+    # allowed (the engine's grammar matcher fills it); every other token gets -inf.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def penalised(self) -> bool:
@@ -86,12 +89,16 @@ def _rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.Tensor:
-    """Penalties, logit bias and banned tokens on the rows that have them (a copy; `logits` if none)."""
+    """Penalties, logit bias, banned tokens and grammar masks on the rows that have them (a copy;
+    `logits` if none)."""
     pen = [i for i, s in enumerate(specs) if s.penalised]
     bias = [i for i, s in enumerate(specs) if s.logit_bias or s.banned_token_ids]
-    if not pen and not bias:
+    masked = [i for i, s in enumerate(specs) if s.token_bitmask is not None]
+    if not pen and not bias and not masked:
         return logits
     out = logits.clone()
+    if masked:
+        _apply_bitmasks(out, masked, specs)
     vocab = out.shape[-1]
     flat = out.view(-1)
     if pen:
@@ -106,6 +113,21 @@ def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.
     if banned:
         flat[torch.tensor(banned, device=out.device)] = float("-inf")
     return out
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _apply_bitmasks(logits: torch.Tensor, rows: list[int], specs: Sequence[SamplingSpec]) -> None:
+    """-inf, in place, on every token a row's bitmask leaves unset: one unpack for all masked rows."""
+    words = torch.stack([m for i in rows if (m := specs[i].token_bitmask) is not None])
+    words = words.to(logits.device)
+    vocab = logits.shape[-1]
+    allowed = ((words[:, :, None] >> _BIT.to(logits.device)) & 1).view(len(rows), -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # a mask narrower than the logits allows none of the extra ids
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _penalise(flat: torch.Tensor, vocab: int, rows: Sequence[int], specs: Sequence[SamplingSpec]) -> None:
