@@ -135,6 +135,9 @@ class LLMEngine:
         start = time.monotonic()
         sampled = self.runner.execute(chunks)
         now = time.monotonic()
+        for (req, _), chunk in zip(plan.scheduled, chunks, strict=True):
+            if chunk.prompt_result is not None:
+                _record_prompt_logprobs(req, chunk)
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
         for req, _ in plan.scheduled:
@@ -143,6 +146,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for (req, _), chunk, token in zip(plan.scheduled, chunks, sampled, strict=True):
             if token is None:
+                continue
+            if req.params.max_tokens == 0:  # the prompt only (scored for echo): nothing is generated
+                outputs.append(self._finish_prompt_only(req, now))
                 continue
             if (result := chunk.sampling.logprob_result) is not None:
                 req.logprobs.append(TokenLogprob(token, result[0], tuple(result[1])))
@@ -170,12 +176,21 @@ class LLMEngine:
             for j, (_, chunk) in enumerate(rows):
                 chunk.sampling.token_bitmask = masks[j]
 
+    def _finish_prompt_only(self, req: Request, now: float) -> RequestOutput:
+        """max_tokens=0: the prompt is computed (and scored); the sampled token is dropped."""
+        self._release_forks(req)
+        self.scheduler.finish(req, "length")
+        req.timings.finish = now
+        self._requests.pop(req.request_id, None)
+        return self.outputs.output(req, [], finished=True)
+
     def _fork_prompt(self, parent: Request, now: float) -> None:
         """The parent's prompt is computed: its waiting siblings take its full blocks by reference and
         start running; each recomputes only the tokens of the partial last block (its own first
         sample needs that last position's logits)."""
         shared = (parent.num_prompt_tokens - 1) // self.scheduler.kv.block_size * self.scheduler.kv.block_size
         for child in self._forks.pop(parent.request_id, []):
+            child.prompt_logprobs = list(parent.prompt_logprobs)  # same prompt, same scores
             if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
                 self.scheduler.add(child)  # the batch is full: it queues (and still hits the prefix cache)
                 continue
@@ -206,6 +221,8 @@ class LLMEngine:
 
 def _chunk(req: Request, n: int, block_table: list[int], decode: bool, eos_ids: Iterable[int]) -> SeqChunk:
     c = req.num_computed_tokens
+    # Scoring the prompt: each row up to the second-to-last prompt token predicts the next prompt token.
+    targets = req.token_ids[c + 1 : min(c + n, req.num_prompt_tokens - 1) + 1] if req.scores_prompt else []
     return SeqChunk(
         token_ids=req.token_ids[c : c + n],
         start_pos=c,
@@ -213,7 +230,18 @@ def _chunk(req: Request, n: int, block_table: list[int], decode: bool, eos_ids: 
         sample=c + n == len(req.token_ids),
         sampling=_sampling_spec(req, eos_ids),
         decode=decode,
+        prompt_targets=targets,
+        prompt_top=req.params.prompt_logprobs or 0,
     )
+
+
+def _record_prompt_logprobs(req: Request, chunk: SeqChunk) -> None:
+    """Entry i scores prompt token i + 1; a chunk recomputed after preemption overwrites its own."""
+    c = chunk.start_pos
+    if chunk.prompt_result is None or c > len(req.prompt_logprobs):
+        return
+    scored = zip(chunk.prompt_targets, chunk.prompt_result, strict=True)
+    req.prompt_logprobs[c:] = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in scored]
 
 
 def _sampling_spec(req: Request, eos_ids: Iterable[int]) -> SamplingSpec:

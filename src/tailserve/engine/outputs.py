@@ -56,6 +56,7 @@ class OutputProcessor:
             timings=req.timings if finished else None,
             new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if req.logprobs else [],
             logprobs=list(req.logprobs) if finished else [],
+            prompt_logprobs=list(req.prompt_logprobs) if finished or req.num_output_tokens <= 1 else [],
         )
 
 

@@ -75,6 +75,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit) pairs
     min_tokens: int = 0  # end token, stop tokens and stop strings are held off until this many tokens
     logprobs: int | None = None  # None: none; k in 0..20: each output token's logprob and the k most likely
+    # k in 0..20: every prompt token after the first gets its logprob and the k most likely (echo in
+    # /v1/completions). Such a request skips the prefix cache until its prompt is scored.
+    prompt_logprobs: int | None = None
     # n > 1: the id of the request whose prompt (the same ids) this one shares. It waits until that
     # prompt is computed, then takes its full KV blocks by reference (KVCacheManager.fork).
     fork_of: str | None = None
@@ -93,7 +96,11 @@ class SamplingParams:
             "max_tokens must be an integer",
             "max_tokens",
         )
-        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _check(
+            self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+            f"max_tokens must be at least 1 (0 only to score the prompt), got {self.max_tokens}",
+            "max_tokens",
+        )
         _check(_finite(self.temperature), "temperature must be a number", "temperature")
         _check(
             0.0 <= self.temperature <= 2.0,
@@ -153,6 +160,16 @@ class SamplingParams:
             ),
             f"logprobs must be an integer in [0, 20], got {self.logprobs}",
             "logprobs",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= 20
+            ),
+            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}",
+            "prompt_logprobs",
         )
         _check(
             self.min_tokens <= self.max_tokens,
@@ -288,6 +305,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(
         default_factory=list
     )  # for token_ids, when asked (final output only)
+    # prompt tokens 1.. (the first has no context), when asked: on the first and the final output
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -309,6 +328,7 @@ class Request:
     emitted_chars: int = 0  # how much of `text` callers have been given
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
     grammar: Any = None  # engine.structured.GrammarMatcher when params.grammar is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # entry i: prompt token i + 1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -330,6 +350,12 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs and some prompt tokens are not scored yet."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def is_decoding(self) -> bool:

@@ -142,7 +142,10 @@ class Scheduler:
 
     def _admit(self, req: Request, left: int, now: float) -> int:
         """Move a waiting request to running with its first chunk; 0 if its blocks don't fit."""
-        cached = self.kv.match_prefix(req.request_id, req.token_ids)
+        # A cached prefix has no logits: a request scoring its prompt computes it all (a lookup of nothing).
+        cached = self.kv.match_prefix(
+            req.request_id, req.token_ids[:1] if req.scores_prompt else req.token_ids
+        )
         req.num_computed_tokens = cached
         n = min(req.num_uncomputed_tokens, left)
         if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):

@@ -8,14 +8,14 @@ never guesses. It knows nothing of requests, queues or stopping rules.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from tailserve.model.arch import ArchConfig
 from tailserve.model.attention import AttentionBackend, AttentionMetadata, PrefillSpan, TorchPagedAttention
-from tailserve.model.sampler import SamplingSpec, sample
+from tailserve.model.sampler import SamplingSpec, sample, token_logprobs
 from tailserve.model.transformer import TransformerLM
 
 if TYPE_CHECKING:
@@ -39,6 +39,11 @@ class SeqChunk:
     sample: bool  # the chunk ends at the sequence's last known token: sample the next one
     sampling: SamplingSpec
     decode: bool = False
+    # Prompt log-probabilities: row i of the chunk is scored against prompt_targets[i] (the token
+    # after it) with its `prompt_top` most likely tokens; `execute` writes them to `prompt_result`.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top: int = 0
+    prompt_result: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def kv_pool_shape(arch: ArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -111,8 +116,12 @@ class ModelRunner:
         if not chunks:
             return []
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
-        logits_indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        scored = _scored_rows(chunks)  # after the sampled rows, only for chunks that ask
+        logits_indices = torch.tensor(logits_rows + scored, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, logits_indices)
+        if scored:
+            _score_prompts(logits[len(logits_rows) :], chunks)
+            logits = logits[: len(logits_rows)]
         sampling = [c for c in chunks if c.sample]
         tokens = sample(logits, [c.sampling for c in sampling]) if sampling else []
         it = iter(tokens)
@@ -186,6 +195,28 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions_t = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions_t, meta, logits_rows
+
+
+def _scored_rows(chunks: list[SeqChunk]) -> list[int]:
+    """Batch rows whose logits score a following prompt token: the first rows of each asking chunk."""
+    rows: list[int] = []
+    q_start = 0
+    for c in chunks:
+        rows.extend(range(q_start, q_start + len(c.prompt_targets)))
+        q_start += len(c.token_ids)
+    return rows
+
+
+def _score_prompts(logits: torch.Tensor, chunks: list[SeqChunk]) -> None:
+    """Each asking chunk's prompt_result from its rows of `logits` (in `_scored_rows` order)."""
+    start = 0
+    for c in chunks:
+        if not (m := len(c.prompt_targets)):
+            continue
+        targets = torch.tensor(c.prompt_targets, dtype=torch.long, device=logits.device)
+        chosen, top = token_logprobs(logits[start : start + m], targets, c.prompt_top)
+        c.prompt_result = list(zip(chosen, top, strict=True))
+        start += m
 
 
 def _check_order(chunks: list[SeqChunk]) -> None:

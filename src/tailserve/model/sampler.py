@@ -69,18 +69,23 @@ def _fill_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], specs: Sequence[SamplingSpec]
 ) -> None:
     """log_softmax of the unadjusted logits: the drawn token's value and the top few, per asking row."""
-    logp = torch.log_softmax(_rows(logits, rows).float(), dim=-1)
-    chosen = logp.gather(1, tokens[rows][:, None])[:, 0].tolist()
     most = max(specs[i].logprobs or 0 for i in rows)
-    top_vals, top_ids = (
-        torch.topk(logp, most, dim=-1)
-        if most
-        else (logp[:, :0], torch.zeros((len(rows), 0), dtype=torch.long, device=logp.device))
-    )
-    vals, ids = top_vals.tolist(), top_ids.tolist()
+    chosen, top = token_logprobs(_rows(logits, rows), tokens[rows], most)
     for j, i in enumerate(rows):
-        n = specs[i].logprobs or 0
-        specs[i].logprob_result = (chosen[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
+        specs[i].logprob_result = (chosen[j], top[j][: specs[i].logprobs or 0])
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Per row of `logits` [R, vocab]: log_softmax at `tokens[row]` and the k most likely (token,
+    log-probability) pairs, best first. Generated tokens and prompt tokens (echo) alike."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    if not k:
+        return chosen, [[] for _ in chosen]
+    vals, ids = torch.topk(logp, k, dim=-1)
+    return chosen, [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
 
 
 def _rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""Prompt log-probabilities from the model runner (echo): the rows a chunk asks for are scored
+against the next prompt token, on the torch path and the fused CPU path, across chunked prefill and
+beside rows that only sample."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tailserve.model import cpu_kernels
+from tailserve.model.formats import build_model
+from tailserve.model.loader import LoadedModel
+from tailserve.model.runner import ModelRunner, SeqChunk
+from tailserve.model.sampler import SamplingSpec
+
+PROMPT = "The river Tiber runs through the city of Rome, and its bridges are old and famous"
+
+
+def _runner(smol: LoadedModel, weight_format: str, dtype: torch.dtype, fused: bool) -> ModelRunner:
+    model = build_model(smol, weight_format, torch.device("cpu"), 512)
+    runner = ModelRunner(model, 64, 16, torch.device("cpu"), kv_dtype=dtype, cpu_kernels=fused)
+    assert (model.fused is not None) == fused
+    return runner
+
+
+def _reference(runner: ModelRunner, prompt: list[int], split: int) -> torch.Tensor:
+    """log_softmax of teacher-forced logits of the prompt in the same two chunks, on blocks of its own."""
+    chunks = [SeqChunk(prompt[:split], 0, [40, 41], False, SamplingSpec())]
+    chunks.append(SeqChunk(prompt[split:], split, [40, 41], False, SamplingSpec()))
+    logits = torch.cat([runner.logits_for([c]) for c in chunks])
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("weight_format", "dtype", "fused", "tol"),
+    # fp32 within 1e-4; bf16 rows within bf16 noise of the same rows run alone
+    [
+        ("fp32", torch.float32, False, 1e-4),
+        ("int4", torch.bfloat16, False, 2e-2),
+        ("int4", torch.bfloat16, True, 2e-2),
+    ],
+    ids=["torch-fp32", "torch-int4", "fused-int4"],
+)
+def test_prompt_rows_are_scored_against_the_next_prompt_token(
+    smol: LoadedModel, weight_format: str, dtype: torch.dtype, fused: bool, tol: float
+) -> None:
+    if fused and cpu_kernels.load() is None:
+        pytest.skip("no C compiler here: the fused path does not build")
+    runner = _runner(smol, weight_format, dtype, fused)
+    prompt = smol.tokenizer.encode(PROMPT)
+    p = len(prompt)
+    other = smol.tokenizer.encode("Once upon a time")
+    greedy = SamplingSpec()
+    # Another sequence's prompt, then its decode, share the steps with the scored chunks.
+    runner.execute([SeqChunk(other, 0, [10], True, greedy)])
+    first = SeqChunk(prompt[:10], 0, [0, 1], False, greedy, prompt_targets=prompt[1:11], prompt_top=3)
+    runner.execute([SeqChunk([other[0]], len(other), [10], True, greedy, decode=True), first])
+    rest = SeqChunk(
+        prompt[10:], 10, [0, 1], True, SamplingSpec(logprobs=2), prompt_targets=prompt[11:], prompt_top=3
+    )
+    plain = SeqChunk(other, 0, [11], True, greedy)
+    runner.execute([rest, plain])
+    assert first.prompt_result is not None and rest.prompt_result is not None and plain.prompt_result is None
+    scored = first.prompt_result + rest.prompt_result
+    assert len(scored) == p - 1  # every prompt token after the first; the last row samples instead
+    ref = _reference(runner, prompt, 10)
+    for i, (logprob, top) in enumerate(scored):
+        assert abs(logprob - float(ref[i, prompt[i + 1]])) < tol
+        assert top[0][0] == int(ref[i].argmax()) or ref[i].topk(2).values.diff().abs().item() < tol
+        if tol <= 1e-4:
+            assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()
+        for token, value in top:
+            assert abs(value - float(ref[i, token])) < tol
+    assert rest.sampling.logprob_result is not None  # the sampled row keeps its own logprobs
+    assert abs(rest.sampling.logprob_result[0] - float(ref[p - 1].max())) < tol
