@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tailserve.bench.arrivals import ArrivalSpec
+from tailserve.bench.calibration import Calibration, fit_line
 from tailserve.bench.capacity_search import CapacityPoint, CapacitySearch, capacity_section, find_capacity
 from tailserve.bench.client import TargetConfig
 from tailserve.bench.html_report import cdf_points, render_html
@@ -42,7 +43,11 @@ def constructed_result(scale: float = 1.0, capacity: bool = False) -> tuple[dict
     )
     health = ClientHealth(5.0, 5.0, 5.0, 0.05, 0.001, 0.002, False, [])
     outcome = RunOutcome(records, "complete", None, "m", "2026-01-01T00:00:00+00:00", 61.0, health, 60.0)
-    result = build_result(outcome, settings)
+    points = [(10, 0.05), (10, 0.052), (200, 0.4), (200, 0.41)]
+    calibration = Calibration([10, 200], 2, 1, points, fit_line(points), 0)
+    sample = {"at_s": 0.0, "rss_bytes": 200.0 * 2**20, "kv_blocks_used": 0.0}
+    samples = {"start": sample, "warmup_end": dict(sample, at_s=5.0), "end": dict(sample, at_s=61.0)}
+    result = build_result(outcome, settings, calibration, dict(samples, rss_growth_after_warmup=0.0))
     if capacity:
         points = [
             CapacityPoint(r, r * 0.99, 0.1 * r, 0.02, 0.5 * r, r * 0.98, 0.0, r <= 4, False, "complete")
@@ -76,11 +81,15 @@ def test_cdf_points_keep_the_tail() -> None:
 def test_html_is_self_contained_with_plots() -> None:
     result, records = constructed_result(capacity=True)
     page = render_html(result, records)
-    # 4 CDFs + TTFT, TPOT and throughput over time + P99 TTFT/TPOT per window + 2 capacity charts.
-    assert page.count("<svg") == 11
+    # 4 CDFs + TTFT, TPOT and throughput over time + P99 TTFT/TPOT per window + calibration + 2 capacity.
+    assert page.count("<svg") == 12
     # Nothing that would load from elsewhere: no scripts, stylesheets, images, fonts or imports.
     assert not re.search(r"<script|<link|<img|<iframe|\bsrc=|\bhref=|url\(|@import", page)
     assert "warm-up" in page and "window P99" in page
+    # The new parts: intervals under the percentiles, slowdown, calibration, server samples.
+    assert "[0.100, +inf]" in page and "slowdown (x)" in page and "queue delay (s)" in page
+    assert "isolated TTFT = 0.0324 s + 1.8632 ms/token" in page and "KV blocks in use" in page
+    assert page.count('class="intervals"') == 2  # interval bars on both P99-over-time charts
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (scripts/test.sh installs it)")
@@ -89,8 +98,9 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "report.html"
     page.write_text(render_html(result, records))
     dom, shot = render_in_chromium(page, tmp_path)
-    assert dom.count("<svg") == 11
+    assert dom.count("<svg") == 12
     assert "Latency CDFs" in dom and "Capacity curve" in dom and "P99 TTFT over time" in dom
+    assert "Calibration: idle TTFT vs prompt length" in dom and "RSS growth after warm-up: +0.0%" in dom
     assert shot.stat().st_size > 10_000  # a real picture, not a blank page
 
 

@@ -45,6 +45,22 @@ def test_summary_of_a_sharp_tail() -> None:
     assert summarize([]) is None
 
 
+def test_summary_carries_an_interval_for_every_percentile() -> None:
+    values = [float(v) for v in range(1, 1001)]  # 1..1000
+    s = summarize(values)
+    assert s is not None and s.ci_level == 0.95
+    for q, (lo, hi) in ((50, s.p50_ci), (90, s.p90_ci), (95, s.p95_ci), (99, s.p99_ci)):
+        assert lo is not None and hi is not None and lo <= q * 10 <= hi  # the point estimate inside
+    # Value k is rank k: P(470 <= B <= 531), B ~ Binomial(1000, 0.5), is 0.95002 (scipy), the
+    # shortest pair of ranks that reaches 95%.
+    assert s.p50_ci == (470.0, 532.0)
+    assert s.p99_over_mean_ci == (s.p99_ci[0] / s.mean, s.p99_ci[1] / s.mean)  # type: ignore[operator]
+    wider = summarize(values, ci_level=0.99)
+    assert wider is not None and wider.p50_ci[0] < 469.0 and wider.p50_ci[1] > 531.0  # type: ignore[operator]
+    few = summarize([0.1] * 22 + [2.0])  # 23 requests: P99 is their maximum, with no upper end
+    assert few is not None and few.p99 == 2.0 and few.p99_ci == (0.1, None)
+
+
 def test_per_request_metrics_follow_the_spec() -> None:
     r = make_record(0, 1.0, ttft_s=0.5, itl_s=0.1, tokens=11)
     assert r.ttft_s == pytest.approx(0.5)
@@ -139,6 +155,19 @@ def test_window_p99_shows_drift() -> None:
     assert len(rows) == 2
     assert rows[0].ttft_p99_s == pytest.approx(0.1) and rows[1].ttft_p99_s == pytest.approx(1.0)
     assert rows[0].sent == 30 and rows[1].sent == 30
+    # 30 requests a window: the P99s have a lower end but no upper one.
+    assert (
+        rows[0].ok == 30 and rows[0].ttft_p99_ci[1] is None and rows[1].ttft_p99_ci[0] == pytest.approx(1.0)
+    )
+
+
+def test_windows_of_300_requests_have_finite_intervals() -> None:
+    records = [make_record(i, i * 0.1, 0.1 + (i % 100) * 0.001, 0.01, 3) for i in range(600)]
+    rows = windows(records, 30.0)
+    assert [r.ok for r in rows] == [300, 300]
+    for r in rows:
+        lo, hi = r.ttft_p99_ci
+        assert lo is not None and hi is not None and lo <= r.ttft_p99_s <= hi  # type: ignore[operator]
 
 
 def test_attribution_of_the_slowest_percent() -> None:
