@@ -24,14 +24,16 @@ from tailserve.cli import main
 from tests.bench.conftest import CHROMIUM, make_record, render_in_chromium
 
 
-def constructed_result(scale: float = 1.0, capacity: bool = False) -> tuple[dict, list[RequestRecord]]:
-    """A 300-request run with a slow tail and server timings, built without any network."""
+def constructed_result(
+    scale: float = 1.0, capacity: bool = False, n: int = 300
+) -> tuple[dict, list[RequestRecord]]:
+    """An n-request run (300) with a slow tail and server timings, built without any network."""
     timings = {"queue_s": 0.01, "prefill_s": 0.05, "decode_s": 0.2, "preemptions": 0}
     records = [
         make_record(i, i * 0.2, (0.1 if i % 50 else 1.5) * scale, 0.02 * scale, 11, timings=timings)
-        for i in range(300)
+        for i in range(n)
     ]
-    records.append(make_record(300, 60.0, 0, 0, 0, error="rate_limited"))
+    records.append(make_record(n, n * 0.2, 0, 0, 0, error="rate_limited"))
     settings = BenchSettings(
         target=TargetConfig("http://127.0.0.1:1", "m", api_key="sk-secret"),
         arrival=ArrivalSpec("poisson", 5.0),
@@ -68,6 +70,16 @@ def test_result_document_is_complete_and_redacted() -> None:
     json.dumps(result, allow_nan=False)  # strict JSON, no NaN
     text = format_summary(result)
     assert "TTFT (s)" in text and "PASS" in text and "rate_limited 1" in text and "slowest 1%" in text
+
+
+def test_slo_verdicts_carry_the_p99_interval() -> None:
+    few, _ = constructed_result()  # 275 successful measured requests: no upper end for P99
+    ttft = next(v for v in few["slo"]["verdicts"] if v["name"] == "p99_ttft_s")
+    assert ttft["passed"] and ttft["passed_upper"] is None and ttft["observed_ci"][1] is None
+    many, _ = constructed_result(n=1000)  # TTFT is 1.5 s on every 50th request, 0.1 s otherwise
+    ttft = next(v for v in many["slo"]["verdicts"] if v["name"] == "p99_ttft_s")
+    assert ttft["observed_ci"] == [1.5, 1.5] and ttft["passed_upper"] is True
+    assert not any("their maximum" in w for w in many["warnings"])
 
 
 def test_cdf_points_keep_the_tail() -> None:
