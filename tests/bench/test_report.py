@@ -127,8 +127,24 @@ def test_compare_gives_verdicts_from_intervals(tmp_path: Path, capsys: pytest.Ca
     # Every TTFT is 2x: the medians' intervals are far apart; 276 requests give P99 no upper end.
     assert "differ (2.00x)" in rows[("TTFT (s)", "p50")]
     assert "not enough data" in rows[("TTFT (s)", "p99")] and "x)" not in rows[("TTFT (s)", "p99")]
-    assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = tmp_path / "ab"
+    assert (
+        main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    )
     assert "differ (2.00x)" in capsys.readouterr().out
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert (
+        doc["schema"] == "tailserve-bench-compare" and doc["runs"] == ["a", "b"] and doc["ci_level"] == 0.95
+    )
+    rows = {(r["metric"], r["stat"]): r for r in doc["rows"]}
+    p50, p99 = rows[("ttft_s", "p50")], rows[("ttft_s", "p99")]
+    assert p50["verdicts"] == [{"against": 0, "run": 1, "verdict": "differ", "ratio": pytest.approx(2.0)}]
+    assert p50["values"][0] == {"value": pytest.approx(0.1), "ci": [pytest.approx(0.1), pytest.approx(0.1)]}
+    assert p99["verdicts"][0]["verdict"] == "not enough data" and p99["verdicts"][0]["ratio"] is None
+    assert p99["values"][1]["ci"][1] is None
+    # The same run twice: overlapping intervals, no ratio anywhere.
+    same = format_compare([b, b], ["b", "b2"])
+    assert "no difference shown (intervals overlap)" in same and "differ (" not in same
     (tmp_path / "bad.json").write_text("{}")
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2
     assert "not a tailserve bench result" in capsys.readouterr().err
