@@ -49,10 +49,8 @@ def tailserve(
     slo: tuple[float, float] | None = None,
     extra_args: tuple[str, ...] = (),
     kv_cache_memory: str = "1536MiB",
-    prefix_caching: bool = False,
 ) -> ServerSpec:
-    """`tailserve serve` of the default model (prefix caching off unless asked); `slo` = (TTFT s,
-    TPOT s) targets."""
+    """`tailserve serve` of the default model, prefix caching off; `slo` = (TTFT s, TPOT s) targets."""
     command = [str(TAILSERVE), "serve", "--model", "default", "--schedule-policy", policy]
     command += [
         "--port",
@@ -63,10 +61,8 @@ def tailserve(
         str(limits.threads),
     ]
     command += ["--max-num-batched-tokens", str(limits.step_tokens), "--kv-cache-memory", kv_cache_memory]
-    command += [] if prefix_caching else ["--no-prefix-caching"]
-    command += ["--log-level", "warning"]
-    caching = "prefix caching on (hashed full KV blocks)" if prefix_caching else "prefix caching off"
-    notes = f"default weight format (the gate's pick), paged KV pool {kv_cache_memory}, {caching}"
+    command += ["--no-prefix-caching", "--log-level", "warning"]
+    notes = f"default weight format, paged KV pool {kv_cache_memory}, prefix caching off"
     if slo is not None:
         command += ["--slo-ttft", f"{slo[0]:g}", "--slo-tpot", f"{slo[1]:g}"]
         notes += (
@@ -88,31 +84,27 @@ def tailserve(
     )
 
 
-# `transformers serve` with continuous batching's block sharing (its prefix cache) off unless
-# BLOCK_SHARING=1. Benchmarks repeat the same seeded prompts, so a prefix cache would serve later
-# runs from memory; the CLI has no flag for it. Every server runs without one (tailserve
-# --no-prefix-caching, llama.cpp cache_prompt off, vLLM --no-enable-prefix-caching) except in a
-# workload that is about prefix reuse.
+# `transformers serve` with continuous batching's block sharing (its prefix cache) off. Benchmarks
+# repeat the same seeded prompts, so a prefix cache would serve later runs from memory; the CLI has
+# no flag for it. Every server runs without one (tailserve --no-prefix-caching, llama.cpp
+# cache_prompt off, vLLM --no-enable-prefix-caching).
 HF_LAUNCH = """
-import os, sys
+import sys
 from transformers import ContinuousBatchingConfig
 from transformers.cli.transformers import main
 post_init = ContinuousBatchingConfig.__post_init__
 def no_block_sharing(self):
     post_init(self)
     self.allow_block_sharing = False
-if os.environ.get("BLOCK_SHARING") != "1":
-    ContinuousBatchingConfig.__post_init__ = no_block_sharing
+ContinuousBatchingConfig.__post_init__ = no_block_sharing
 sys.argv = ["transformers", *sys.argv[1:]]
 main()
 """
 
 
-def transformers_serve(
-    port: int, limits: Limits, continuous_batching: bool, prefix_caching: bool = False
-) -> ServerSpec:
+def transformers_serve(port: int, limits: Limits, continuous_batching: bool) -> ServerSpec:
     """`transformers serve` of the HF copy, float32; it knows no `ignore_eos`, so an eos id that
-    never occurs has the same effect. `prefix_caching` keeps continuous batching's block sharing."""
+    never occurs has the same effect."""
     command = [str(PEERS_PYTHON), "-c", HF_LAUNCH, "serve", str(HF_DIR), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
     key, label = "hf", "transformers serve"
@@ -122,23 +114,15 @@ def transformers_serve(
         command += ["--continuous-batching", "--cb-max-batch-tokens", str(limits.step_tokens)]
         command += ["--cb-num-blocks", str(kv_tokens // 256)]
         key, label = "hf-cb", "transformers serve --continuous-batching"
-        sharing = (
-            "block sharing (its prefix cache) on"
-            if prefix_caching
-            else ("block sharing (its prefix cache) off through the launcher")
-        )
         notes = (
             f"float32; paged KV of {kv_tokens} tokens (256-token pages), {limits.step_tokens} tokens a step; "
-            f"{sharing}; no cap on concurrent sequences exposed"
+            "block sharing (its prefix cache) off through the launcher; no cap on concurrent sequences exposed"
         )
-    env = {**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if prefix_caching:
-        env["BLOCK_SHARING"] = "1"
     return ServerSpec(
         key=key,
         label=label,
         command=command,
-        env=env,
+        env={**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         ready_path="/health",
         bench_args=["--no-ignore-eos"],
         extra_body={**GREEDY, "generation_config": json.dumps({"eos_token_id": -1})},
@@ -146,17 +130,11 @@ def transformers_serve(
     )
 
 
-def llamacpp(
-    port: int, gguf: Path, limits: Limits, key: str = "llamacpp", prefix_caching: bool = False
-) -> ServerSpec:
-    """llama.cpp's server on the Q4_1 GGUF itself (its native kernels), prompt cache off unless
-    `prefix_caching` (then each slot reuses the longest common prefix of its last prompt, and
-    prompts leaving a slot are kept in a host-memory cache)."""
+def llamacpp(port: int, gguf: Path, limits: Limits, key: str = "llamacpp") -> ServerSpec:
+    """llama.cpp's server on the Q4_1 GGUF itself (its native kernels), prompt cache off."""
     command = [str(PEERS_PYTHON), str(LLAMACPP_SERVER), "--port", str(port), "--gguf", str(gguf)]
     command += ["--threads", str(limits.threads), "--parallel", str(limits.max_seqs)]
     command += ["--step-tokens", str(limits.step_tokens), "--ctx-per-seq", str(limits.ctx_per_seq)]
-    command += ["--cache-prompt"] if prefix_caching else []
-    caching = "prompt cache on (cache_prompt, 256 MiB host cache)" if prefix_caching else "prompt cache off"
     threads = f"{limits.threads} thread" + ("s" if limits.threads > 1 else "")
     return ServerSpec(
         key=key,
@@ -165,17 +143,15 @@ def llamacpp(
         env=thread_env(limits.threads),
         ready_path="/health",
         bench_args=[],
-        extra_body={**GREEDY, "cache_prompt": prefix_caching},
+        extra_body={**GREEDY, "cache_prompt": False},
         notes=(
             f"{threads}; Q4_1 weights as they are, f16 KV, {limits.max_seqs} slots x {limits.ctx_per_seq} "
-            f"tokens, n_batch = n_ubatch = {limits.step_tokens}, continuous batching, {caching}"
+            f"tokens, n_batch = n_ubatch = {limits.step_tokens}, continuous batching, prompt cache off"
         ),
     )
 
 
-def vllm_cpu(
-    port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib: int = 2, prefix_caching: bool = False
-) -> ServerSpec:
+def vllm_cpu(port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib: int = 2) -> ServerSpec:
     """vLLM's CPU engine on the HF copy, cast to bf16. Its OpenMP threads are pinned to cores
     0..threads-1; the `vllm` console script fails (the metadata is named `vllm-cpu`), so the API
     server module is run directly. Ready after ~110 s on the 2-core box."""
@@ -183,8 +159,7 @@ def vllm_cpu(
     command += ["--served-model-name", "smollm2-135m", "--dtype", "bfloat16"]
     command += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(limits.max_seqs)]
     command += ["--max-num-batched-tokens", str(limits.step_tokens)]
-    command += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
     env = {
         **thread_env(limits.threads),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
@@ -203,6 +178,6 @@ def vllm_cpu(
         notes=(
             f"vllm-cpu 0.32.0, bf16, {kv_cache_gib} GiB KV (VLLM_CPU_KVCACHE_SPACE), {limits.threads} "
             f"OpenMP thread(s) pinned, at most {limits.max_seqs} sequences, {limits.step_tokens} tokens a step, "
-            f"prefix caching {'on (hashed full blocks)' if prefix_caching else 'off'}"
+            "prefix caching off"
         ),
     )

@@ -133,3 +133,17 @@ def test_admission_does_not_count_work_past_saving_ahead_of_a_newcomer() -> None
     assert wait >= 1.2
     # A newcomer with its own looser target is admitted against that target, not --slo-ttft.
     assert scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now, ttft_s=30.0) >= 1.2
+
+
+def test_batch_backlog_is_not_ahead_of_an_interactive_newcomer() -> None:
+    """Queued batch prompts (loose targets) do not count against a newcomer with a tight target, so
+    it is admitted; under fcfs the same backlog is ahead of it and breaks its 2 s target."""
+    waits = {}
+    for policy in ("slo", "fcfs"):
+        scheduler = _scheduler(policy, ttft_s=2.0)
+        run = _Run(scheduler)
+        for i in range(3):
+            run.add(f"batch{i}", 1000, ttft_s=300.0)
+        now = time.monotonic()
+        waits[policy] = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now, ttft_s=2.0)
+    assert waits["slo"] < 2.0 < waits["fcfs"]

@@ -115,7 +115,7 @@ class FakeEngine:
             steps_total=0,
         )
 
-    def estimate_wait_s(self, num_prompt_tokens: int) -> float:
+    def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
         if self.wait_estimate_s is not None:
             return self.wait_estimate_s
         return len(self.waiting) * self.step_s

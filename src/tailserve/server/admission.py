@@ -6,6 +6,7 @@ it never queues or touches engine state itself, it only counts tickets and reads
 
 from __future__ import annotations
 
+from tailserve.engine.request import SloTarget
 from tailserve.errors import RequestRejectedError
 from tailserve.server.drain import Drain
 from tailserve.server.engine_api import Engine
@@ -64,24 +65,27 @@ class Admission:
         if not self.ready:
             raise ServiceUnavailableError("not_ready")
 
-    def admit(self, num_prompt_tokens: int) -> Ticket:
-        """A ticket, or RequestRejectedError (429) when the queue is full or the TTFT SLO would break."""
+    def admit(self, num_prompt_tokens: int, slo: SloTarget | None = None) -> Ticket:
+        """A ticket, or RequestRejectedError (429) when the queue is full or the request's own TTFT
+        target (`slo`, else --slo-ttft) would break."""
         self.check_available()
         limits = self._engine.config.scheduler
-        # The estimate counts every request handed to engine.generate(), seen by a step or not.
-        wait_s = self._engine.estimate_wait_s(num_prompt_tokens)
+        ttft_s = slo.ttft_s if slo is not None and slo.ttft_s is not None else limits.slo_ttft_s
+        # The estimate counts every request handed to engine.generate(), seen by a step or not, and
+        # leaves out work past saving (it only keeps a reserve of each step: docs/ENGINE.md).
+        wait_s = self._engine.estimate_wait_s(num_prompt_tokens, ttft_s)
         # The engine counts its own queue; our count also covers requests handed over but not yet seen
         # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.
         queued = max(self._engine.stats().num_waiting, self.not_started - limits.max_num_seqs)
         if queued >= limits.max_waiting:
             message = f"Server overloaded: {queued} requests are already waiting (limit {limits.max_waiting})"
             raise RequestRejectedError(message, retry_after_s=max(1.0, wait_s), reason="queue_full")
-        if wait_s > limits.slo_ttft_s:
+        if wait_s > ttft_s:
             message = (
                 f"Server overloaded: predicted queue wait {wait_s:.2f}s exceeds the "
-                f"time-to-first-token target of {limits.slo_ttft_s:.2f}s"
+                f"time-to-first-token target of {ttft_s:.2f}s"
             )
-            raise RequestRejectedError(message, retry_after_s=wait_s - limits.slo_ttft_s, reason="slo")
+            raise RequestRejectedError(message, retry_after_s=wait_s - ttft_s, reason="slo")
         self.drain.enter()
         self.not_started += 1
         return Ticket(self)

@@ -42,6 +42,7 @@ from tailserve.server.middleware import (
     JsonContentTypeMiddleware,
 )
 from tailserve.server.serving import Serving
+from tailserve.server.slo_classes import SloClasses
 from tailserve.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("tailserve.server")
@@ -64,7 +65,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     admission = Admission(engine)
     metrics = ServerMetrics(engine.stats, lambda: admission.serving)
     state = ServerState(engine, config, admission, metrics, int(time.time()))
-    serving = Serving(engine, admission, metrics, config.max_tokens_default, config.generation)
+    slo_classes = config.slo_classes or SloClasses.builtin(engine.config.scheduler)
+    serving = Serving(engine, admission, metrics, config.max_tokens_default, config.generation, slo_classes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,7 +107,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     # oversized bodies (413 before 401), then wrong content types, then a wrong key; any other
     # exception becomes a 500 inside the counter.
     app.add_middleware(CatchAllMiddleware)
-    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, extra_keys=tuple(slo_classes.api_keys))
     app.add_middleware(JsonContentTypeMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ErrorCountMiddleware, errors=metrics.errors)

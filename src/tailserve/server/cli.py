@@ -27,6 +27,7 @@ from tailserve.config import (
 )
 from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.server.config import LOG_LEVELS, ServerConfig
+from tailserve.server.slo_classes import SloClasses
 
 
 def register(subparsers: Any) -> None:
@@ -60,12 +61,6 @@ def register(subparsers: Any) -> None:
     m.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads for the model (default: cores - 1, min 1)"
     )
-    m.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="shard the model over N ranks: this process and N-1 workers (gloo on CPU, NCCL on CUDA)",
-    )
     c = p.add_argument_group("KV cache")
     c.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1 GiB on CPU)")
     c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -85,6 +80,24 @@ def register(subparsers: Any) -> None:
         "--slo-ttft", type=float, default=2.0, help="TTFT target, seconds; predicted misses get 429"
     )
     s.add_argument("--slo-tpot", type=float, default=0.150, help="TPOT target, seconds per token")
+    s.add_argument(
+        "--slo-classes",
+        default=None,
+        metavar="FILE",
+        help="JSON: SLO classes (ttft_ms, tpot_ms) and API key / model name -> class (docs/SERVER.md)",
+    )
+    s.add_argument(
+        "--prefill-floor",
+        type=float,
+        default=0.25,
+        help="slo: share of the step budget prefill keeps beside decodes (0: one block)",
+    )
+    s.add_argument(
+        "--past-saving-share",
+        type=float,
+        default=0.25,
+        help="slo: share of each step's prefill kept for requests past their TTFT deadline",
+    )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     h.add_argument("--port", type=int, default=8000)
@@ -121,7 +134,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             served_model_name=args.served_model_name,
             enforce_eager=args.enforce_eager,
             num_threads=args.num_threads,
-            tensor_parallel_size=args.tensor_parallel_size,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -136,8 +148,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             max_waiting=args.max_waiting,
             slo_ttft_s=args.slo_ttft,
             slo_tpot_s=args.slo_tpot,
+            prefill_floor=args.prefill_floor,
+            past_saving_share=args.past_saving_share,
         ),
     )
+    scheduler = engine.scheduler
+    slo_classes = SloClasses.load(args.slo_classes, scheduler) if args.slo_classes else None
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -147,6 +163,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         log_level=args.log_level,
         max_tokens_default=args.max_tokens_default,
         warmup=not args.no_warmup,
+        slo_classes=slo_classes,
     )
     return engine, server
 
@@ -179,15 +196,6 @@ def serve(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"tailserve serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 1
-    except ConfigError as exc:  # e.g. a --tensor-parallel-size the model cannot split into
-        print(f"tailserve serve: {exc}", file=sys.stderr)
-        return 2
-    tp = engine.engine.runner.tp
-    if tp is not None:  # a dead worker fails what is in flight, then the server exits non-zero
-        tp.exit_process_on_worker_death()
     generation = read_generation_defaults(model_file(args.model))
     server_config = dataclasses.replace(server_config, generation=generation)
-    try:
-        return run_server(create_app(engine, server_config), server_config)
-    finally:
-        engine.engine.runner.close()  # stops tensor-parallel workers after the drain
+    return run_server(create_app(engine, server_config), server_config)

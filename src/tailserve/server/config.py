@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 
 from tailserve.errors import ConfigError
 from tailserve.server.generation_defaults import GenerationDefaults
+from tailserve.server.slo_classes import SloClasses
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Bind address, API key, body limit, drain timeout and the default reply length.
+    """Bind address, API key, body limit, drain timeout, the default reply length and SLO classes.
 
     Admission limits (queue bound, running slots, TTFT target) are the engine's: SchedulerConfig."""
 
@@ -28,6 +29,7 @@ class ServerConfig:
     max_tokens_default: int = 1024  # a request without max_tokens generates at most this many tokens
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's own
     warmup: bool = True
+    slo_classes: SloClasses | None = None  # --slo-classes; None: the built-in interactive and batch
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

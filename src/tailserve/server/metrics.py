@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from tailserve.engine.request import RequestOutput
+from tailserve.engine.request import RequestOutput, SloTarget
 from tailserve.engine.stats import (
     LATENCY_BUCKETS_S,
     STEP_KINDS,
@@ -180,6 +180,13 @@ class ServerMetrics:
         self.rejected = Counter(
             "tailserve_requests_rejected", "Requests refused by admission control.", ["reason"], registry=r
         )
+        # One series per configured SLO class (a bounded set: --slo-classes), met or missed.
+        self.slo_requests = Counter(
+            "tailserve_slo_requests",
+            "Finished requests by SLO class, and whether they met its TTFT and TPOT targets.",
+            ["slo_class", "result"],
+            registry=r,
+        )
         self.errors = Counter(
             "tailserve_request_errors", "Error responses, by HTTP status.", ["status"], registry=r
         )
@@ -194,8 +201,9 @@ class ServerMetrics:
             s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions_total, s.steps
         )
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """One finished request: latency histograms from its timings, token counts, finish reason."""
+    def observe_finished(self, out: RequestOutput, slo: SloTarget | None = None) -> None:
+        """One finished request: latency histograms from its timings, token counts, finish reason, and
+        whether it met its SLO class's targets."""
         self.finished.labels(finish_reason=out.finish_reason or "abort").inc()
         self.prompt_tokens.observe(out.num_prompt_tokens)
         self.generation_tokens.observe(len(out.token_ids))
@@ -210,8 +218,14 @@ class ServerMetrics:
         times = t.token_times
         for earlier, later in zip(times, times[1:], strict=False):
             self.itl.observe(later - earlier)
+        tpot_s = None
         if len(times) > 1 and t.first_token is not None and t.finish is not None:
-            self.tpot.observe((t.finish - t.first_token) / (len(times) - 1))
+            tpot_s = (t.finish - t.first_token) / (len(times) - 1)
+            self.tpot.observe(tpot_s)
+        if slo is not None and t.ttft_s is not None:
+            met = slo.ttft_s is None or t.ttft_s <= slo.ttft_s
+            met = met and (tpot_s is None or slo.tpot_s is None or tpot_s <= slo.tpot_s)
+            self.slo_requests.labels(slo_class=slo.slo_class, result="met" if met else "missed").inc()
 
     def observe_aborted(self) -> None:
         """A request that ended before finishing (client gone, server stopping)."""

@@ -40,23 +40,36 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class ApiKeyMiddleware:
-    """401 on /v1/ paths unless `Authorization: Bearer <key>` matches (scheme in any case, as RFC 7235
-    says; constant-time compare of the key)."""
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header (scheme in any case), else None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
 
-    def __init__(self, app: ASGIApp, api_key: str | None, prefixes: tuple[str, ...] = (API_PREFIX,)) -> None:
+
+class ApiKeyMiddleware:
+    """401 on /v1/ paths unless `Authorization: Bearer <key>` matches one of the keys (scheme in any
+    case, as RFC 7235 says; constant-time compare of each key). `extra_keys` are the API keys that
+    --slo-classes names; with no key at all the paths are open."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        prefixes: tuple[str, ...] = (API_PREFIX,),
+        extra_keys: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
-        self._expected = api_key.encode() if api_key else None
+        self._expected = [key.encode() for key in (api_key, *extra_keys) if key]
         self._prefixes = prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            self._expected is not None
-            and scope["type"] == "http"
-            and scope["path"].startswith(self._prefixes)
-        ):
+        if self._expected and scope["type"] == "http" and scope["path"].startswith(self._prefixes):
             scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._expected):
+            # Every key is compared, so the time taken does not tell which one came close.
+            matches = [hmac.compare_digest(token.strip(), key) for key in self._expected]
+            if scheme.lower() != b"bearer" or not any(matches):
                 await send_error(send, to_http(AuthenticationError()))
                 return
         await self.app(scope, receive, send)

@@ -37,6 +37,13 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class SloRequest(_Body):
+    """`slo` (extension): this request's own latency targets, in milliseconds; either may be left out."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
 class _CommonRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -58,6 +65,8 @@ class _CommonRequest(_Body):
     min_p: float | None = None  # extension
     min_tokens: int | None = None  # extension
     stop_token_ids: list[int] | None = None  # extension
+    slo: SloRequest | None = None  # extension: own TTFT/TPOT targets (server/slo_classes.py)
+    priority: int | str | None = None  # extension: an SLO class name, or vLLM's integer priority
     # Accepted and unused: they change no output here (no stored completions, one service tier).
     user: str | None = None
     store: bool | None = None

@@ -8,6 +8,7 @@ for a non-streamed request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
@@ -16,13 +17,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tailserve.engine.request import RequestOutput, TokenLogprob
+from tailserve.engine.request import RequestOutput, SloTarget, TokenLogprob
 from tailserve.server.admission import Admission, Ticket
 from tailserve.server.engine_api import Engine
 from tailserve.server.errors import ModelNotFoundError, to_http
 from tailserve.server.generation_defaults import GenerationDefaults
 from tailserve.server.json_body import parse_json
 from tailserve.server.metrics import ServerMetrics
+from tailserve.server.middleware import bearer_token
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +46,7 @@ from tailserve.server.responses import (
     text_chunk,
     usage_chunks,
 )
+from tailserve.server.slo_classes import SloClasses
 from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -60,8 +63,10 @@ class Serving:
         metrics: ServerMetrics,
         max_tokens_default: int,
         defaults: GenerationDefaults,
+        slo_classes: SloClasses | None = None,
     ) -> None:
         self._engine = engine
+        self._slo_classes = slo_classes or SloClasses.builtin(engine.config.scheduler)
         self._admission = admission
         self._metrics = metrics
         self._max_tokens_default = max_tokens_default
@@ -70,13 +75,15 @@ class Serving:
     async def handle(self, kind: Kind, request: Request) -> Response:
         """The whole request; typed errors propagate to the app's single error mapping."""
         self._admission.check_available()
-        job, inputs = self.prepare(kind, await request.body())
+        api_key = bearer_token(request.headers.get("authorization"))
+        job, inputs = self.prepare(kind, await request.body(), api_key)
         if len(inputs) > 1:
             return await self.respond_many(job, inputs, request.receive)
         return await self.respond(job, inputs[0], request.receive)
 
-    def prepare(self, kind: Kind, body: bytes) -> tuple[Job, list[EngineInput]]:
-        """Body -> validated engine inputs (one per prompt of a list); raises before anything is queued."""
+    def prepare(self, kind: Kind, body: bytes, api_key: str | None = None) -> tuple[Job, list[EngineInput]]:
+        """Body -> validated engine inputs (one per prompt of a list); raises before anything is queued.
+        `api_key` (the caller's bearer token) may pick the request's SLO class."""
         data = parse_json(body)
         tokenizer = self._engine.tokenizer
         req: CompletionRequest | ChatCompletionRequest
@@ -91,6 +98,9 @@ class Serving:
         # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
         limit, default = self._engine.max_model_len, self._max_tokens_default
         all_params = [sampling_params(req, len(ids), limit, default, self._defaults) for ids in prompts]
+        slo_body = req.slo.model_dump() if req.slo is not None else None
+        slo = self._slo_classes.for_request(api_key, req.model, req.priority, slo_body)
+        all_params = [dataclasses.replace(p, slo=slo) for p in all_params]
         params = all_params[0]
         options = req.stream_options
         include_usage = options is not None and options.include_usage
@@ -113,8 +123,8 @@ class Serving:
 
     async def respond(self, job: Job, inp: EngineInput, receive: Receive) -> Response:
         """Admit, wait for the first output (errors still become a proper status), then answer."""
-        ticket = self._admission.admit(len(inp.prompt_token_ids))
-        run = _Run(job.request_id, self._engine, self._metrics, ticket)
+        ticket = self._admission.admit(len(inp.prompt_token_ids), inp.params.slo)
+        run = _Run(job.request_id, self._engine, self._metrics, ticket, inp.params.slo)
         run.gen = self._engine.generate(job.request_id, inp.prompt_token_ids, inp.params)
         final: RequestOutput | None = None
         handed_over = False
@@ -147,7 +157,8 @@ class Serving:
                     f"{job.request_id}-{i}",
                     self._engine,
                     self._metrics,
-                    self._admission.admit(len(inp.prompt_token_ids)),
+                    self._admission.admit(len(inp.prompt_token_ids), inp.params.slo),
+                    inp.params.slo,
                 )
                 runs.append(run)
                 run.gen = self._engine.generate(run.request_id, inp.prompt_token_ids, inp.params)
@@ -247,8 +258,16 @@ class Serving:
 class _Run:
     """One engine generation and its admission ticket; close() settles both exactly once."""
 
-    def __init__(self, request_id: str, engine: Engine, metrics: ServerMetrics, ticket: Ticket) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        engine: Engine,
+        metrics: ServerMetrics,
+        ticket: Ticket,
+        slo: SloTarget | None = None,
+    ) -> None:
         self.request_id = request_id
+        self.slo = slo
         self.gen: AsyncIterator[RequestOutput] = _nothing()
         self.ticket = ticket
         self._engine = engine
@@ -262,7 +281,7 @@ class _Run:
         self._closed = True
         try:
             if out is not None and out.finished:
-                self._metrics.observe_finished(out)
+                self._metrics.observe_finished(out, self.slo)
             else:
                 self._engine.abort(self.request_id)
                 self._metrics.observe_aborted()

@@ -1,0 +1,127 @@
+"""SLO classes: named TTFT/TPOT targets, and which targets one HTTP request gets.
+
+A request's own `slo` field wins, then its `priority` (a class name, or vLLM's integer), then the
+class of its API key, then that of its model name, then the server default. Classes come from
+`--slo-classes FILE` (JSON) over two built-in ones; building them never touches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tailserve.config import SchedulerConfig
+from tailserve.engine.request import SloTarget
+from tailserve.errors import ConfigError, InvalidRequestError
+
+INTERACTIVE, BATCH = "interactive", "batch"
+BATCH_TTFT_FACTOR, BATCH_TPOT_FACTOR = 10.0, 4.0  # built-in batch: this much looser than interactive
+
+
+@dataclass(frozen=True)
+class SloClasses:
+    """Class name -> targets (both set), the default class, and API key / model name -> class."""
+
+    classes: dict[str, SloTarget]
+    default: str = INTERACTIVE
+    api_keys: dict[str, str] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        named = [("default", self.default)]
+        named += [(f"api_keys[...{key[-4:]}]", c) for key, c in self.api_keys.items()]
+        named += [(f"models[{model!r}]", c) for model, c in self.models.items()]
+        for where, name in named:
+            if name not in self.classes:
+                raise ConfigError(f"--slo-classes: {where} names unknown class {name!r} ({self._known()})")
+
+    def _known(self) -> str:
+        return "known: " + ", ".join(sorted(self.classes))
+
+    @staticmethod
+    def builtin(scheduler: SchedulerConfig) -> SloClasses:
+        """`interactive`: --slo-ttft / --slo-tpot; `batch`: 10x and 4x looser; interactive by default."""
+        ttft, tpot = scheduler.slo_ttft_s, scheduler.slo_tpot_s
+        return SloClasses(
+            {
+                INTERACTIVE: SloTarget(INTERACTIVE, ttft, tpot),
+                BATCH: SloTarget(BATCH, ttft * BATCH_TTFT_FACTOR, tpot * BATCH_TPOT_FACTOR),
+            }
+        )
+
+    @staticmethod
+    def load(path: str | Path, scheduler: SchedulerConfig) -> SloClasses:
+        """The file's classes over the built-in ones; ConfigError names what is wrong."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--slo-classes {path}: {exc}") from None
+        if not isinstance(data, dict) or set(data) - {"classes", "default", "api_keys", "models"}:
+            raise ConfigError(f"--slo-classes {path}: an object with classes, default, api_keys, models")
+        classes = dict(SloClasses.builtin(scheduler).classes)
+        for name, spec in _mapping(data.get("classes", {}), "classes").items():
+            spec = _mapping(spec, f"classes[{name!r}]")
+            if set(spec) - {"ttft_ms", "tpot_ms"}:
+                raise ConfigError(f"--slo-classes: classes[{name!r}] takes ttft_ms and tpot_ms only")
+            base = classes.get(name, classes[INTERACTIVE])
+            ttft = _ms(spec.get("ttft_ms"), f"classes[{name!r}].ttft_ms", ConfigError)
+            tpot = _ms(spec.get("tpot_ms"), f"classes[{name!r}].tpot_ms", ConfigError)
+            classes[name] = SloTarget(name, ttft or base.ttft_s, tpot or base.tpot_s)
+        default = data.get("default", INTERACTIVE)
+        if not isinstance(default, str):
+            raise ConfigError("--slo-classes: default must be a class name")
+        return SloClasses(
+            classes,
+            default,
+            {k: _class_name(v) for k, v in _mapping(data.get("api_keys", {}), "api_keys").items()},
+            {k: _class_name(v) for k, v in _mapping(data.get("models", {}), "models").items()},
+        )
+
+    def for_request(
+        self, api_key: str | None, model: str, priority: int | str | None, slo: dict[str, Any] | None
+    ) -> SloTarget:
+        """The targets of one request; InvalidRequestError names the field when a value is bad."""
+        name = self.api_keys.get(api_key or "") or self.models.get(model) or self.default
+        if isinstance(priority, str):
+            if priority not in self.classes:
+                raise InvalidRequestError(
+                    f"unknown SLO class {priority!r} in 'priority' ({self._known()})", "priority"
+                )
+            name = priority
+        elif priority is not None:
+            # vLLM's integer priority (lower runs earlier): below 0 interactive, above 0 batch, 0 the default.
+            name = INTERACTIVE if priority < 0 else BATCH if priority > 0 else name
+        target = self.classes[name]
+        if slo:
+            ttft = _ms(slo.get("ttft_ms"), "slo.ttft_ms", InvalidRequestError)
+            tpot = _ms(slo.get("tpot_ms"), "slo.tpot_ms", InvalidRequestError)
+            target = SloTarget(name, ttft or target.ttft_s, tpot or target.tpot_s)
+        return target
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"--slo-classes: {where} must be an object")
+    return value
+
+
+def _class_name(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"--slo-classes: a class name must be a string, got {value!r}")
+    return value
+
+
+def _ms(value: Any, param: str, error: type[ConfigError] | type[InvalidRequestError]) -> float | None:
+    """Milliseconds -> seconds; None stays None (the class's own value applies)."""
+    if value is None:
+        return None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        message = f"'{param}' must be a positive number of milliseconds, got {value!r}"
+        if error is InvalidRequestError:
+            raise InvalidRequestError(message, param)
+        raise ConfigError(f"--slo-classes: {message}")
+    return float(value) / 1000.0
