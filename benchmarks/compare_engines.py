@@ -1,5 +1,6 @@
-"""Side-by-side comparison of tailserve with vLLM's CPU engine, llama.cpp and `transformers serve`:
-the entry point of the `compare` package beside this file (see benchmarks/compare/cli.py).
+"""tailserve against vLLM's CPU engine, llama.cpp and `transformers serve --continuous-batching`, with
+a P99 interval behind every verdict: the entry point of the `compare` package beside this file
+(flags and phases in benchmarks/compare/cli.py; how to run it in docs/COMPARE.md).
 
     .venv/bin/python benchmarks/compare_engines.py --quick
 """

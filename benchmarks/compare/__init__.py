@@ -1,3 +1,4 @@
-"""tailserve against its peers on one CPU box (`python benchmarks/compare_engines.py`):
-records (what is measured), run (measuring one server), report (markdown), cli.
+"""tailserve against its peers on one CPU box (`python benchmarks/compare_engines.py`): stats
+(intervals, verdicts), plan (workloads, sizes, capacity search), analyze (one bench run), store
+(checkpoints), run (servers and phases), report and plots (markdown, SVG), cli.
 """

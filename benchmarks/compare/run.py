@@ -1,147 +1,451 @@
-"""Measuring one server: start it, warm it up, calibrate it, sweep rates, search its capacity and run
-it at the shared reference rate, recording every `tailserve bench` run as it ends.
+"""Measuring the servers: start one, warm it up, then either calibrate it (idle TTFT against prompt
+length, idle TPOT) or search its capacity under the SLO and run its rate points; and the soak.
+Every finished `tailserve bench` run is analysed and saved as its point at once (store.py), and a
+point already saved is never run again, so an interrupted comparison resumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import shlex
-import sys
+import threading
 import time
-from collections.abc import Sequence
+import urllib.request
+import zlib
 from pathlib import Path
+from typing import Any
 
-from loadgen import load_json, run_bench
+from loadgen import run_bench
 from peers import launch
 from peers.envs import HF_DIR, ROOT
 from peers.launch import Limits, ServerSpec
-from proc import ServerProcess
+from proc import ServerProcess, free_port
 
-from compare.records import REFERENCE, BenchContext, RunRecord, ServerOutcome, Slo, capacity_of, run_of
+from compare import plan as planning
+from compare.analyze import (
+    BENCH_CALIBRATION,
+    BENCH_SERVER_SAMPLES,
+    Calibration,
+    Slo,
+    analyze,
+    calibration_from,
+    dig,
+    passes,
+    read_rows,
+    windows,
+)
+from compare.plan import Sizes, Workload
+from compare.store import Store
+
+REFERENCE = "ts-slo"  # its capacity sets the shared reference rate, so it is measured first
+SERVERS = ("ts-slo", "ts-fcfs", "vllm", "llamacpp", "hf-cb")  # the order they run in
+OTHER_SERVERS = ("llamacpp-1t", "hf")  # known, not run unless asked
+CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt
+CALIBRATION_OUTPUT = 32
 
 
-def log(message: str) -> None:
-    stamp = datetime.datetime.now().strftime("%H:%M:%S")
-    print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every measurement shares."""
+
+    store: Store
+    sizes: Sizes
+    seed: int
+    limits: Limits
+    gguf: Path
 
 
-def server_spec(key: str, port: int, gguf: Path, limits: Limits, slo: Slo) -> ServerSpec:
-    """The command line of one server of the comparison, matched to `limits`."""
+def server_spec(
+    key: str, workload: Workload, port: int, gguf: Path, limits: Limits, slo: Slo | None
+) -> ServerSpec:
+    """The command line of one server for one workload (prefix caching as the workload asks)."""
+    cache = workload.prefix_caching
     if key in ("ts-slo", "ts-fcfs"):
-        return launch.tailserve(key.removeprefix("ts-"), port, limits, (slo.ttft_s, slo.tpot_ms / 1000))
+        targets = (slo.ttft_s, slo.tpot_s) if slo else None
+        return launch.tailserve(key.removeprefix("ts-"), port, limits, targets, prefix_caching=cache)
     if key in ("hf", "hf-cb"):
-        return launch.transformers_serve(port, limits, continuous_batching=key == "hf-cb")
-    # llama.cpp twice: with the threads every server gets, and with 1. Its threads meet at a barrier
-    # after every op, so when another process holds one of the 2 cores a 2-thread llama.cpp waits for
-    # its descheduled twin hundreds of times a token (seen here: 64 tokens in > 100 s, vs 0.7 s with 1
-    # thread on the same busy box). The 1-thread run shows what it does when that happens.
+        return launch.transformers_serve(
+            port, limits, continuous_batching=key == "hf-cb", prefix_caching=cache
+        )
     if key == "llamacpp":
-        return launch.llamacpp(port, gguf, limits)
+        return launch.llamacpp(port, gguf, limits, prefix_caching=cache)
     if key == "llamacpp-1t":
-        return launch.llamacpp(port, gguf, dataclasses.replace(limits, threads=1), key="llamacpp-1t")
+        one = dataclasses.replace(limits, threads=1)
+        return launch.llamacpp(port, gguf, one, key="llamacpp-1t", prefix_caching=cache)
     if key == "vllm":
-        return launch.vllm_cpu(port, limits)
+        return launch.vllm_cpu(port, limits, prefix_caching=cache)
     raise ValueError(f"unknown server {key!r}")
 
 
-def new_outcome(spec: ServerSpec) -> ServerOutcome:
-    # The launcher code is shown by name, not inlined into the documented command line.
-    command = shlex.join(spec.command).replace(shlex.quote(launch.HF_LAUNCH), '"$HF_LAUNCH"')
-    return ServerOutcome(
-        spec.key, spec.label, command, spec.env, spec.notes, spec.extra_body, spec.bench_args
-    )
+def point_seed(base: int, name: str) -> int:
+    """The same prompts for the same point name on every server, different ones across points
+    (so no point's prompts sit in a prefix cache from the one before)."""
+    return base + zlib.crc32(name.encode()) % 100_000
+
+
+def request_timeout_s(slo: Slo | None) -> float:
+    """Generous: a request is a `timeout` only long after it has missed the SLO."""
+    return 300.0 if slo is None else max(60.0, 3 * (slo.ttft_s + 128 * slo.tpot_s))
 
 
 def bench(
-    ctx: BenchContext, spec: ServerSpec, url: str, kind: str, rate: float | None, extra: list[str]
-) -> RunRecord:
-    """One `tailserve bench run|capacity` against `url`; the result JSON lands in the server's folder."""
-    name = kind if rate is None or kind == "capacity" else f"{kind}-{rate:g}"
-    prefix = ctx.out_dir / spec.key / name
-    action = "capacity" if kind == "capacity" else "run"
-    label = spec.label + ("" if rate is None or kind == "capacity" else f" @ {rate:g} req/s")
-    args = [
-        "--base-url", url, "--preset", "cpu-chat", "--tokenizer", str(HF_DIR), "--seed", str(ctx.seed),
-        "--timeout", str(ctx.plan.timeout_s), "--slo-ttft", str(ctx.slo.ttft_s),
-        "--slo-tpot-ms", str(ctx.slo.tpot_ms), "--slo-e2e", "off", "--slo-error-rate", str(ctx.slo.error_rate),
-        "--label", label, "--extra-body", json.dumps(spec.extra_body), *spec.bench_args, *extra,
+    ctx: Context,
+    spec: ServerSpec,
+    url: str,
+    workload: Workload,
+    name: str,
+    args: list[str],
+    slo: Slo | None,
+    deadline_s: float | None = None,
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
+    """One `tailserve bench run` of `workload`; returns its result, its rows and the run record."""
+    prefix = ctx.store.folder(spec.key, workload.name, "runs", name)
+    slo_args = ["--slo-ttft", "off", "--slo-tpot-ms", "off"]
+    if slo is not None:
+        slo_args = ["--slo-ttft", f"{slo.ttft_s:g}", "--slo-tpot-ms", f"{slo.tpot_s * 1000:g}"]
+    full = [
+        "--no-calibrate", "--base-url", url, "--tokenizer", str(HF_DIR), "--seed", str(point_seed(ctx.seed, name)),
+        "--timeout", f"{request_timeout_s(slo):g}", *slo_args, "--slo-e2e", "off",
+        "--label", f"{spec.label}: {workload.name} {name}", "--extra-body", json.dumps(spec.extra_body),
+        *spec.bench_args, *workload.bench_args(), *args,
     ]  # fmt: skip
-    log(f"{spec.key}: {kind}" + (f" @ {rate:g} req/s" if rate else ""))
-    done = run_bench(args, prefix, action)
+    done = run_bench(full, prefix, "run", deadline_s=deadline_s)
+    jsonl = prefix.with_name(prefix.name + ".jsonl")
+    rows = read_rows(jsonl) if jsonl.exists() else []
+    record = {
+        "bench_json": str(done.json_path.relative_to(ctx.store.root)),
+        "exit_code": done.exit_code,
+        "wall_s": done.wall_s,
+        "load_before": done.load_before,
+        "load_after": done.load_after,
+        "interrupted": done.interrupted,
+    }
     if done.exit_code not in (0, 3):
-        log(f"{spec.key}: bench exited {done.exit_code}; see {done.log_path}")
-    return RunRecord(
-        kind, rate, str(done.json_path), done.exit_code, done.wall_s, done.load_before, done.load_after
+        ctx.store.log(
+            f"{spec.key}/{workload.name}/{name}: bench exited {done.exit_code}; see {done.log_path}"
+        )
+    return done.result(), rows, record
+
+
+def open_loop(workload: Workload, rate: float, sizes: Sizes, requests: int) -> list[str]:
+    """Poisson at `rate` requests/s until `requests` measured ones (after the warm-up requests)."""
+    return [
+        "--arrival", "poisson", "--rate", f"{workload.arrival_rate(rate):.6g}",
+        "-n", str(requests + sizes.warmup_requests), "--warmup-requests", str(sizes.warmup_requests), "--no-html",
+    ]  # fmt: skip
+
+
+def warm_up(ctx: Context, spec: ServerSpec, url: str, workload: Workload) -> None:
+    """Short and long prompts two at a time, so lazy allocations and first-use paths happen now."""
+    args = ["--arrival", "closed", "--concurrency", "2", "-n", "6", "--warmup-requests", "0",
+            "--input-len", f"uniform:64,{workload.longest_tokens}", "--output-len", "fixed:16", "--no-html"]  # fmt: skip
+    bench(
+        ctx, spec, url, dataclasses.replace(workload, turns=1, shared_prefix_tokens=0), "warmup", args, None
     )
 
 
-def highest_passing_rate(outcome: ServerOutcome) -> float | None:
-    best: float | None = None
-    for run in outcome.runs:
-        data = load_json(run.json_path) if run.kind == "rate" else None
-        if data and data["slo"]["all_pass"] and run.rate is not None:
-            best = max(best or 0.0, run.rate)
-    return best
+def started(
+    ctx: Context, key: str, workload: Workload, slo: Slo | None, what: str
+) -> tuple[ServerSpec, ServerProcess]:
+    port = free_port()
+    spec = server_spec(key, workload, port, ctx.gguf, ctx.limits, slo)
+    log_path = ctx.store.folder(key, workload.name, f"server-{what}.log")
+    return spec, ServerProcess(spec.command, port, log_path, spec.ready_path, spec.env, ROOT)
+
+
+def server_record(spec: ServerSpec, server: ServerProcess) -> dict[str, Any]:
+    env = " ".join(f"{k}={v}" for k, v in spec.env.items())
+    command = " ".join(spec.command).replace(launch.HF_LAUNCH, '"$HF_LAUNCH"')
+    return {"label": spec.label, "command": f"{env} {command}", "notes": spec.notes, "ready_s": server.ready_after_s,
+            "extra_body": spec.extra_body, "bench_args": spec.bench_args}  # fmt: skip
+
+
+def calibrate(ctx: Context, key: str, workload: Workload) -> dict[str, Any] | None:
+    """Phase 1 for one server and workload: idle TTFT at several prompt lengths, one request at a
+    time, fitted as a line; saved as `calibration`. Skipped when already saved."""
+    store = ctx.store
+    if (saved := store.load(key, workload.name, "calibration")) is not None:
+        return saved
+    spec, server = started(ctx, key, workload, None, "calibration")
+    store.log(f"{key}/{workload.name}: starting {spec.label} to calibrate")
+    with server:
+        try:
+            server.wait_ready(timeout_s=900)
+        except RuntimeError as exc:
+            store.log(f"{key}/{workload.name}: did not start: {exc}")
+            store.save({"error": f"did not start: {exc}"}, key, workload.name, "failed")
+            return None
+        warm_up(ctx, spec, server.url, workload)
+        cal = bench_calibration(ctx, spec, server.url, workload) or own_calibration(
+            ctx, spec, server.url, workload
+        )
+        if cal is None:
+            store.save({"error": "calibration failed: no request succeeded"}, key, workload.name, "failed")
+            return None
+        doc = {**dataclasses.asdict(cal), "idle_ttft_longest_s": cal.isolated_ttft_s(workload.longest_tokens),
+               "server": server_record(spec, server)}  # fmt: skip
+    store.save(doc, key, workload.name, "calibration")
+    store.log(
+        f"{key}/{workload.name}: calibrated: idle TTFT {cal.intercept_s:.3f} s + {cal.per_token_s * 1000:.3f} ms/token "
+        f"(longest prompt {doc['idle_ttft_longest_s']:.2f} s), idle TPOT {cal.idle_tpot_s * 1000:.1f} ms"
+    )
+    return doc
+
+
+def bench_calibration(ctx: Context, spec: ServerSpec, url: str, workload: Workload) -> Calibration | None:
+    """`tailserve bench`'s own calibration phase (idle TTFT at quantiles of the prompt lengths,
+    max_tokens 1, fitted as a line) over the workload's range, then 3 requests one at a time for the
+    idle TPOT. None when the bench wrote no fit."""
+    single = dataclasses.replace(
+        workload, turns=1, shared_prefix_tokens=0, input_len=workload.calibration_len
+    )
+    args = ["--calibrate", "--calibration-repeats", str(ctx.sizes.calibration_requests), "--arrival", "closed",
+            "--concurrency", "1", "-n", "3", "--warmup-requests", "0", "--output-len", f"fixed:{CALIBRATION_OUTPUT}",
+            "--no-html"]  # fmt: skip
+    result, rows, _ = bench(ctx, spec, url, single, "calibration", args, None)
+    section = dig(result, BENCH_CALIBRATION) or {}
+    fit = section.get("fit")
+    tpots = [float(r["tpot_s"]) for r in rows if r.get("ok") and r.get("tpot_s") is not None]
+    if not fit or not tpots:
+        return None
+    points = tuple((int(m["input_tokens"]), float(m["ttft_s"])) for m in section.get("medians", []))
+    return Calibration(
+        float(fit["intercept_s"]), float(fit["slope_s_per_token"]), sum(tpots) / len(tpots), points
+    )
+
+
+def own_calibration(ctx: Context, spec: ServerSpec, url: str, workload: Workload) -> Calibration | None:
+    """The same line from closed-loop runs at fixed prompt lengths (for a bench without the phase)."""
+    rows: list[dict[str, Any]] = []
+    single = dataclasses.replace(workload, turns=1, shared_prefix_tokens=0)
+    for n in (*CALIBRATION_LENGTHS, workload.longest_tokens):
+        args = ["--arrival", "closed", "--concurrency", "1", "-n", str(ctx.sizes.calibration_requests),
+                "--warmup-requests", "0", "--input-len", f"fixed:{n}",
+                "--output-len", f"fixed:{CALIBRATION_OUTPUT}", "--no-html"]  # fmt: skip
+        rows += bench(ctx, spec, url, single, f"calibration-{n}", args, None)[1]
+    try:
+        return calibration_from(rows)
+    except ValueError:
+        return None
+
+
+def calibration_of(doc: dict[str, Any]) -> Calibration:
+    return Calibration(
+        doc["intercept_s"], doc["per_token_s"], doc["idle_tpot_s"], tuple(map(tuple, doc["points"]))
+    )
+
+
+def run_point(
+    ctx: Context, spec: ServerSpec, url: str, workload: Workload, slo: Slo, cal: Calibration,
+    name: str, rate: float, requests: int, why: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One rate point or probe: run, analyse, save (unless saved already)."""
+    store = ctx.store
+    if (saved := store.load(spec.key, workload.name, name)) is not None:
+        return saved
+    store.log(f"{spec.key}/{workload.name}: {name} at {rate:g} req/s ({requests} measured requests, ~"
+              f"{planning.expected_s(requests + ctx.sizes.warmup_requests, rate) / 60:.1f} min)")  # fmt: skip
+    result, rows, record = bench(
+        ctx, spec, url, workload, name, open_loop(workload, rate, ctx.sizes, requests), slo
+    )
+    figures = analyze(rows, result, slo, cal)
+    ok, reason = passes(figures, slo, conservative=ctx.sizes.conservative)
+    doc = {"name": name, "rate": rate, "why": why, "requests": requests, "passed": ok, "fail_reason": reason,
+           "figures": figures, "run": record, "client": (result or {}).get("client")}  # fmt: skip
+    store.save(doc, spec.key, workload.name, name)
+    store.log(f"{spec.key}/{workload.name}: {name} {'pass' if ok else 'FAIL: ' + reason}")
+    return doc
+
+
+def search(
+    ctx: Context, spec: ServerSpec, url: str, workload: Workload, slo: Slo, cal_doc: dict[str, Any],
+    rate_max: float, drain_s: float,
+) -> tuple[list[tuple[float, bool]], float, str]:  # fmt: skip
+    """The capacity search: probes of `probe_requests` each (saved ones are reused), ramping from
+    one stream's service rate, then bisecting. Returns the probes (rate, passed), the seconds they
+    took and why it stopped early ("" when it did not)."""
+    store, sizes, cal = ctx.store, ctx.sizes, calibration_of(cal_doc)
+    saved = store.points(spec.key, workload.name, "probe-")
+    probes = [(p["rate"], bool(p["passed"])) for p in saved]
+    spent = sum(p["run"]["wall_s"] for p in saved)
+    if cal_doc["idle_ttft_longest_s"] > slo.ttft_s:  # its longest prompts miss the target even alone
+        return probes, spent, (
+            f"no search: idle TTFT of the longest prompt {cal_doc['idle_ttft_longest_s']:.2f} s > the "
+            f"{slo.ttft_s:g} s target"
+        )  # fmt: skip
+    start = planning.search_start(cal.isolated_ttft_s(300) + 72 * cal.idle_tpot_s)  # a typical request alone
+    while (rate := planning.next_probe(probes, start, sizes.growth, sizes.tolerance, sizes.max_probes, rate_max)) is not None:  # fmt: skip
+        cost = planning.expected_s(sizes.probe_requests + sizes.warmup_requests, rate, drain_s)
+        if spent + cost > sizes.budget_s:
+            return (
+                probes,
+                spent,
+                f"search stopped: a probe at {rate:g} req/s would take ~{cost / 60:.0f} min, past the budget",
+            )
+        name = f"probe-{len(probes) + 1:02d}"
+        doc = run_point(
+            ctx, spec, url, workload, slo, cal, name, rate, sizes.probe_requests, "capacity probe"
+        )
+        probes.append((rate, bool(doc["passed"])))
+        spent += doc["run"]["wall_s"]
+    return probes, spent, ""
 
 
 def measure(
-    spec: ServerSpec, outcome: ServerOutcome, ctx: BenchContext, reference_rate: float | None, port: int
+    ctx: Context, key: str, workload: Workload, slo: Slo, reference_rate: float | None, rate_max: float
 ) -> float | None:
-    """Start one server, warm it up, run the sweep, the capacity search and the reference run, recording
-    each run in `outcome` as it ends (so an interrupted run keeps what it measured). Returns the
-    reference rate (set here from tailserve (slo)'s capacity when it was not given)."""
-    plan = ctx.plan
-    log(f"{spec.key}: starting {spec.label}")
-    server = ServerProcess(
-        spec.command, port, ctx.out_dir / spec.key / "server.log", spec.ready_path, spec.env, ROOT
-    )
+    """Phase 2 for one server and workload: the capacity search (probes of `probe_requests`, judged
+    by the P99s' upper ends), then the rate points that fit its budget. Returns its capacity (None
+    when it could not be measured). Starts the server only if something is left to run."""
+    store, sizes = ctx.store, ctx.sizes
+    cal_doc = store.load(key, workload.name, "calibration")
+    if cal_doc is None:
+        return None
+    if (done := store.load(key, workload.name, "points")) is not None and done.get("complete"):
+        return float(done["capacity"])
+    cal = calibration_of(cal_doc)
+    drain_s = cal_doc["idle_ttft_longest_s"] + 128 * cal.idle_tpot_s
+    spec, server = started(ctx, key, workload, slo, "measure")
+    store.log(f"{key}/{workload.name}: starting {spec.label}")
     with server:
         try:
-            server.wait_ready()
+            server.wait_ready(timeout_s=900)
         except RuntimeError as exc:
-            outcome.error = f"did not start: {exc}"
-            log(f"{spec.key}: {outcome.error}")
-            return reference_rate
-        # Warm-up (excluded from everything): short and long prompts, two at a time, so lazy
-        # allocations, graph builds and the first continuous-batching init happen now.
-        warm = ["--arrival", "closed", "--concurrency", "2", "-n", "6", "--input-len", "uniform:64,1600",
-                "--output-len", "fixed:16", "--warmup", "0", "--no-html"]  # fmt: skip
-        warm_ctx = dataclasses.replace(ctx, plan=dataclasses.replace(plan, timeout_s=300))
-        outcome.runs.append(bench(warm_ctx, spec, server.url, "warmup", None, warm))
-        outcome.startup_s = time.monotonic() - server.started_at
-        # Unloaded speed, one request at a time: TTFT = a 1600-token prefill, TPOT = one stream's decode.
-        calib = ["--arrival", "closed", "--concurrency", "1", "-n", str(plan.calibration_requests)]
-        calib += ["--input-len", "fixed:1600", "--output-len", "fixed:64", "--warmup", "0", "--no-html"]
-        outcome.runs.append(bench(ctx, spec, server.url, "calibration", None, calib))
-        calibration = run_of(outcome, "calibration")
-        if not calibration or calibration["counts"]["ok"] == 0:
-            outcome.error = f"warm-up failed (no request succeeded); see {outcome.runs[-1].json_path}"
-            log(f"{spec.key}: {outcome.error}")
-            return reference_rate
-        for rate in plan.rates:
-            args = ["--arrival", "poisson", "--rate", f"{rate:g}", "--duration", f"{plan.duration_s:g}",
-                    "--warmup", f"{plan.warmup_s:g}"]  # fmt: skip
-            outcome.runs.append(bench(ctx, spec, server.url, "rate", rate, args))
-        # The capacity search starts at the highest sweep rate that met the SLO (it probes it again).
-        start_rate = highest_passing_rate(outcome) or min(plan.rates) / 2
-        args = ["--rate-start", f"{start_rate:g}", "--rate-max", f"{max(plan.rate_max, start_rate):g}",
-                "--growth", "2", "--tolerance", f"{plan.tolerance:g}", "--probe-duration", f"{plan.probe_s:g}",
-                "--warmup", f"{plan.probe_warmup_s:g}"]  # fmt: skip
-        outcome.runs.append(bench(ctx, spec, server.url, "capacity", start_rate, args))
-        if reference_rate is None and spec.key == REFERENCE:
-            # 80% of tailserve (slo)'s capacity; the lowest sweep rate when it has none.
-            capacity = capacity_of(outcome)
-            reference_rate = round(plan.reference_fraction * capacity, 3) if capacity else min(plan.rates)
-        if reference_rate:
-            args = ["--arrival", "poisson", "--rate", f"{reference_rate:g}", "--duration",
-                    f"{plan.reference_s:g}", "-n", str(plan.reference_requests), "--warmup", f"{plan.warmup_s:g}"]  # fmt: skip
-            outcome.runs.append(bench(ctx, spec, server.url, "reference", reference_rate, args))
-    log(f"{spec.key}: done")
-    return reference_rate
+            store.log(f"{key}/{workload.name}: did not start: {exc}")
+            return None
+        warm_up(ctx, spec, server.url, workload)
+        probes, spent, note = search(ctx, spec, server.url, workload, slo, cal_doc, rate_max, drain_s)
+        if note:
+            store.log(f"{key}/{workload.name}: {note}")
+        capacity, above = planning.capacity_bracket(probes)
+        store.log(f"{key}/{workload.name}: capacity {capacity:g} req/s (next failing probe: {above})")
+        ref = None if key == REFERENCE else reference_rate
+        kept, dropped = planning.rate_points(capacity, ref, sizes, drain_s, spent)
+        for point in kept:
+            run_point(
+                ctx,
+                spec,
+                server.url,
+                workload,
+                slo,
+                cal,
+                point.name,
+                point.rate,
+                sizes.point_requests,
+                point.why,
+            )
+        summary = {
+            "capacity": capacity,
+            "capacity_bracket": [capacity, above],
+            "search_note": note,
+            "probes": [[r, ok] for r, ok in probes],
+            "kept": [dataclasses.asdict(p) for p in kept],
+            "dropped": [{**dataclasses.asdict(p), "would_take_s": s} for p, s in dropped],
+            "server": server_record(spec, server),
+            "complete": True,
+        }
+    store.save(summary, key, workload.name, "points")
+    if dropped:
+        store.log(f"{key}/{workload.name}: left out (budget): {', '.join(p.name for p, _ in dropped)}")
+    return capacity
 
 
-def ordered_keys(keys: Sequence[str], all_servers: Sequence[str]) -> list[str]:
-    """tailserve (slo) first: its capacity sets the reference rate every server is then run at."""
-    return sorted(keys, key=lambda k: (k != REFERENCE, list(all_servers).index(k)))
+class RssSampler:
+    """Resident memory of a server's whole process group (vLLM and transformers fork workers),
+    read from /proc every `every_s` on a thread: [(seconds since start, bytes)]."""
+
+    def __init__(self, pgid: int, every_s: float) -> None:
+        self.pgid, self.every_s = pgid, every_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - self._t0, group_rss_bytes(self.pgid)))
+            self._stop.wait(self.every_s)
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Sum of VmRSS over the processes of process group `pgid`."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # after the command: state, ppid, pgrp
+                continue
+            status = stat.with_name("status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def kv_in_use(url: str) -> dict[str, float]:
+    """KV figures the server exports on /metrics (tailserve's blocks, vLLM's usage), else {}."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    wanted = ("tailserve_kv_blocks_used", "tailserve_kv_blocks_capacity", "vllm:kv_cache_usage_perc",
+              "vllm:gpu_cache_usage_perc", "process_resident_memory_bytes")  # fmt: skip
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted and not line.startswith("#"):
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def soak(
+    ctx: Context, key: str, workload: Workload, slo: Slo, rate: float, duration_s: float, window_s: float
+) -> dict[str, Any]:
+    """`tailserve bench` at `rate` for `duration_s`: windowed P99s with intervals, errors, KV in use
+    after the run, server RSS at the start and end of the steady state (the first window is warm-up)."""
+    store = ctx.store
+    name = f"soak-{duration_s / 60:g}min"
+    if (saved := store.load(key, workload.name, name)) is not None:
+        return saved
+    cal_doc = store.load(key, workload.name, "calibration")
+    cal = calibration_of(cal_doc) if cal_doc else None
+    spec, server = started(ctx, key, workload, slo, "soak")
+    store.log(
+        f"{key}/{workload.name}: soak at {rate:g} req/s for {duration_s / 60:g} min, {window_s:g} s windows"
+    )
+    with server:
+        server.wait_ready(timeout_s=900)
+        warm_up(ctx, spec, server.url, workload)
+        assert server.proc is not None
+        args = ["--arrival", "poisson", "--rate", f"{workload.arrival_rate(rate):.6g}", "--duration", f"{duration_s:g}",
+                "--warmup", "0", "--window", f"{window_s:g}"]  # fmt: skip
+        with RssSampler(server.proc.pid, every_s=min(30.0, window_s / 4)) as rss:
+            result, rows, record = bench(ctx, spec, server.url, workload, name, args, slo)
+        time.sleep(5)  # let the last requests' blocks return
+        kv = kv_in_use(server.url)
+    figures = analyze(rows, result, slo, cal)
+    rows_by_window = windows(rows, window_s)
+    steady = [s for s in rss.samples if s[0] >= window_s and s[0] <= duration_s]
+    doc = {
+        "name": name, "rate": rate, "duration_s": duration_s, "window_s": window_s, "figures": figures,
+        "windows": rows_by_window, "kv_after": kv, "rss_samples": rss.samples,
+        "rss_steady": [steady[0][1], steady[-1][1]] if steady else None, "run": record,
+        "errors": (result or {}).get("errors"), "server": server_record(spec, server),
+        "bench_server_samples": dig(result, BENCH_SERVER_SAMPLES),
+    }  # fmt: skip
+    store.save(doc, key, workload.name, name)
+    store.log(
+        f"{key}/{workload.name}: soak done ({figures['measured']} measured, {figures['failed']} failed)"
+    )
+    return doc

@@ -49,8 +49,10 @@ def tailserve(
     slo: tuple[float, float] | None = None,
     extra_args: tuple[str, ...] = (),
     kv_cache_memory: str = "1536MiB",
+    prefix_caching: bool = False,
 ) -> ServerSpec:
-    """`tailserve serve` of the default model, prefix caching off; `slo` = (TTFT s, TPOT s) targets."""
+    """`tailserve serve` of the default model (prefix caching off unless asked); `slo` = (TTFT s,
+    TPOT s) targets."""
     command = [str(TAILSERVE), "serve", "--model", "default", "--schedule-policy", policy]
     command += [
         "--port",
@@ -61,8 +63,10 @@ def tailserve(
         str(limits.threads),
     ]
     command += ["--max-num-batched-tokens", str(limits.step_tokens), "--kv-cache-memory", kv_cache_memory]
-    command += ["--no-prefix-caching", "--log-level", "warning"]
-    notes = f"default weight format, paged KV pool {kv_cache_memory}, prefix caching off"
+    command += [] if prefix_caching else ["--no-prefix-caching"]
+    command += ["--log-level", "warning"]
+    caching = "prefix caching on (hashed full KV blocks)" if prefix_caching else "prefix caching off"
+    notes = f"default weight format (the gate's pick), paged KV pool {kv_cache_memory}, {caching}"
     if slo is not None:
         command += ["--slo-ttft", f"{slo[0]:g}", "--slo-tpot", f"{slo[1]:g}"]
         notes += (
@@ -84,27 +88,31 @@ def tailserve(
     )
 
 
-# `transformers serve` with continuous batching's block sharing (its prefix cache) off. Benchmarks
-# repeat the same seeded prompts, so a prefix cache would serve later runs from memory; the CLI has
-# no flag for it. Every server runs without one (tailserve --no-prefix-caching, llama.cpp
-# cache_prompt off, vLLM --no-enable-prefix-caching).
+# `transformers serve` with continuous batching's block sharing (its prefix cache) off unless
+# BLOCK_SHARING=1. Benchmarks repeat the same seeded prompts, so a prefix cache would serve later
+# runs from memory; the CLI has no flag for it. Every server runs without one (tailserve
+# --no-prefix-caching, llama.cpp cache_prompt off, vLLM --no-enable-prefix-caching) except in a
+# workload that is about prefix reuse.
 HF_LAUNCH = """
-import sys
+import os, sys
 from transformers import ContinuousBatchingConfig
 from transformers.cli.transformers import main
 post_init = ContinuousBatchingConfig.__post_init__
 def no_block_sharing(self):
     post_init(self)
     self.allow_block_sharing = False
-ContinuousBatchingConfig.__post_init__ = no_block_sharing
+if os.environ.get("BLOCK_SHARING") != "1":
+    ContinuousBatchingConfig.__post_init__ = no_block_sharing
 sys.argv = ["transformers", *sys.argv[1:]]
 main()
 """
 
 
-def transformers_serve(port: int, limits: Limits, continuous_batching: bool) -> ServerSpec:
+def transformers_serve(
+    port: int, limits: Limits, continuous_batching: bool, prefix_caching: bool = False
+) -> ServerSpec:
     """`transformers serve` of the HF copy, float32; it knows no `ignore_eos`, so an eos id that
-    never occurs has the same effect."""
+    never occurs has the same effect. `prefix_caching` keeps continuous batching's block sharing."""
     command = [str(PEERS_PYTHON), "-c", HF_LAUNCH, "serve", str(HF_DIR), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
     key, label = "hf", "transformers serve"
@@ -114,15 +122,23 @@ def transformers_serve(port: int, limits: Limits, continuous_batching: bool) -> 
         command += ["--continuous-batching", "--cb-max-batch-tokens", str(limits.step_tokens)]
         command += ["--cb-num-blocks", str(kv_tokens // 256)]
         key, label = "hf-cb", "transformers serve --continuous-batching"
+        sharing = (
+            "block sharing (its prefix cache) on"
+            if prefix_caching
+            else ("block sharing (its prefix cache) off through the launcher")
+        )
         notes = (
             f"float32; paged KV of {kv_tokens} tokens (256-token pages), {limits.step_tokens} tokens a step; "
-            "block sharing (its prefix cache) off through the launcher; no cap on concurrent sequences exposed"
+            f"{sharing}; no cap on concurrent sequences exposed"
         )
+    env = {**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if prefix_caching:
+        env["BLOCK_SHARING"] = "1"
     return ServerSpec(
         key=key,
         label=label,
         command=command,
-        env={**thread_env(limits.threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        env=env,
         ready_path="/health",
         bench_args=["--no-ignore-eos"],
         extra_body={**GREEDY, "generation_config": json.dumps({"eos_token_id": -1})},
@@ -130,11 +146,17 @@ def transformers_serve(port: int, limits: Limits, continuous_batching: bool) -> 
     )
 
 
-def llamacpp(port: int, gguf: Path, limits: Limits, key: str = "llamacpp") -> ServerSpec:
-    """llama.cpp's server on the Q4_1 GGUF itself (its native kernels), prompt cache off."""
+def llamacpp(
+    port: int, gguf: Path, limits: Limits, key: str = "llamacpp", prefix_caching: bool = False
+) -> ServerSpec:
+    """llama.cpp's server on the Q4_1 GGUF itself (its native kernels), prompt cache off unless
+    `prefix_caching` (then each slot reuses the longest common prefix of its last prompt, and
+    prompts leaving a slot are kept in a host-memory cache)."""
     command = [str(PEERS_PYTHON), str(LLAMACPP_SERVER), "--port", str(port), "--gguf", str(gguf)]
     command += ["--threads", str(limits.threads), "--parallel", str(limits.max_seqs)]
     command += ["--step-tokens", str(limits.step_tokens), "--ctx-per-seq", str(limits.ctx_per_seq)]
+    command += ["--cache-prompt"] if prefix_caching else []
+    caching = "prompt cache on (cache_prompt, 256 MiB host cache)" if prefix_caching else "prompt cache off"
     threads = f"{limits.threads} thread" + ("s" if limits.threads > 1 else "")
     return ServerSpec(
         key=key,
@@ -143,15 +165,17 @@ def llamacpp(port: int, gguf: Path, limits: Limits, key: str = "llamacpp") -> Se
         env=thread_env(limits.threads),
         ready_path="/health",
         bench_args=[],
-        extra_body={**GREEDY, "cache_prompt": False},
+        extra_body={**GREEDY, "cache_prompt": prefix_caching},
         notes=(
             f"{threads}; Q4_1 weights as they are, f16 KV, {limits.max_seqs} slots x {limits.ctx_per_seq} "
-            f"tokens, n_batch = n_ubatch = {limits.step_tokens}, continuous batching, prompt cache off"
+            f"tokens, n_batch = n_ubatch = {limits.step_tokens}, continuous batching, {caching}"
         ),
     )
 
 
-def vllm_cpu(port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib: int = 2) -> ServerSpec:
+def vllm_cpu(
+    port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib: int = 2, prefix_caching: bool = False
+) -> ServerSpec:
     """vLLM's CPU engine on the HF copy, cast to bf16. Its OpenMP threads are pinned to cores
     0..threads-1; the `vllm` console script fails (the metadata is named `vllm-cpu`), so the API
     server module is run directly. Ready after ~110 s on the 2-core box."""
@@ -159,7 +183,8 @@ def vllm_cpu(port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib:
     command += ["--served-model-name", "smollm2-135m", "--dtype", "bfloat16"]
     command += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(limits.max_seqs)]
     command += ["--max-num-batched-tokens", str(limits.step_tokens)]
-    command += ["--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
     env = {
         **thread_env(limits.threads),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
@@ -178,6 +203,6 @@ def vllm_cpu(port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib:
         notes=(
             f"vllm-cpu 0.32.0, bf16, {kv_cache_gib} GiB KV (VLLM_CPU_KVCACHE_SPACE), {limits.threads} "
             f"OpenMP thread(s) pinned, at most {limits.max_seqs} sequences, {limits.step_tokens} tokens a step, "
-            "prefix caching off"
+            f"prefix caching {'on (hashed full blocks)' if prefix_caching else 'off'}"
         ),
     )

@@ -18,6 +18,11 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=16, help="slots (concurrent sequences)")
     parser.add_argument("--step-tokens", type=int, default=256, help="n_batch = n_ubatch")
     parser.add_argument("--ctx-per-seq", type=int, default=2048, help="context per slot")
+    parser.add_argument(
+        "--cache-prompt",
+        action="store_true",
+        help="reuse a slot's prompt prefix (+ 256 MiB host prompt cache)",
+    )
     args = parser.parse_args()
 
     import xllamacpp  # type: ignore[import-not-found,unused-ignore]
@@ -29,9 +34,10 @@ def main() -> None:
     params.n_batch = args.step_tokens
     params.n_ubatch = args.step_tokens
     params.cont_batching = True
-    params.cache_prompt = False  # benchmarks repeat seeded prompts: no reuse across runs
-    params.cache_ram_mib = 0
-    params.cache_idle_slots = False
+    # Off by default: benchmarks repeat seeded prompts, so reuse across runs would flatter it.
+    params.cache_prompt = args.cache_prompt
+    params.cache_ram_mib = 256 if args.cache_prompt else 0
+    params.cache_idle_slots = args.cache_prompt
     params.port = args.port
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads

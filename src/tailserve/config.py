@@ -42,6 +42,7 @@ class ModelConfig:
     seed: int = 0  # for dummy weights
     enforce_eager: bool = False  # no CUDA graphs
     num_threads: int | None = None  # CPU threads for torch (None: one fewer than the cores)
+    tensor_parallel_size: int = 1  # ranks one model is sharded over (rank 0 here, N-1 worker processes)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "--model must not be empty")
@@ -64,6 +65,10 @@ class ModelConfig:
             object.__setattr__(self, "weight_format", implied)
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(self.num_threads is None or self.num_threads >= 1, "--num-threads must be at least 1")
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len >= 16,
             f"--max-model-len must be at least 16, got {self.max_model_len}",

@@ -67,11 +67,23 @@ def test_bench_run_against_live_server(live_server: str, tmp_path: Path) -> None
     assert doc["attribution"] is not None and doc["attribution"]["slowest_count"] >= 1
     # Half the requests share a 16-token system prefix: the server reports cached prompt tokens.
     assert doc["prefix_cache"]["requests_reporting"] == doc["counts"]["ok"]
+    # Long-tail input: the idle-server calibration ran first and every request has a slowdown.
+    cal = doc["calibration"]
+    assert doc["config"]["calibrate"] and cal["failed"] == 0 and cal["fit"] is not None
+    assert len(cal["points"]) == 3 * len(cal["lengths"]) and cal["fit"]["slope_s_per_token"] >= 0
+    assert (
+        doc["metrics"]["slowdown"]["count"] == doc["metrics"]["queue_delay_s"]["count"] == doc["counts"]["ok"]
+    )
+    assert doc["metrics"]["ttft_s"]["p50_ci"][0] is not None
+    assert any("P99 of 25 requests = their maximum" in w for w in doc["warnings"])
+    # tailserve's own /metrics: every KV block is back in the pool once the run is over.
+    assert doc["server_samples"]["start"] is not None and doc["server_samples"]["end"]["kv_blocks_used"] == 0
     html = out.with_suffix(".html")
     assert html.exists()
     if CHROMIUM:
         dom, _ = render_in_chromium(html, tmp_path)
-        assert dom.count("<svg") == 7  # 4 CDFs, TTFT/TPOT over time, throughput
+        # 4 CDFs, TTFT/TPOT over time, throughput, P99 TTFT/TPOT per window, calibration
+        assert dom.count("<svg") == 10
 
 
 def test_bench_capacity_and_compare_against_live_server(
@@ -91,4 +103,7 @@ def test_bench_capacity_and_compare_against_live_server(
     copy = tmp_path / "copy.json"
     shutil.copy(out.with_suffix(".json"), copy)
     assert main(["bench", "compare", str(out.with_suffix(".json")), str(copy)]) == 0
-    assert "(1.00x)" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    # A run against itself: never "differ", and no ratio printed without a difference.
+    assert "differ (" not in table and "x)" not in table
+    assert "no difference shown (intervals overlap)" in table or "not enough data" in table

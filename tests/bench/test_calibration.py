@@ -4,7 +4,9 @@ length; /metrics samples (RSS, KV blocks) at start, end of warm-up and end of ru
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +16,7 @@ from tailserve.bench.calibration import calibrate, calibration_lengths, fit_line
 from tailserve.bench.corpus import PromptSource
 from tailserve.bench.lengths import parse_length_dist
 from tailserve.bench.tokenizers import load_tokenizer
-from tailserve.cli import build_parser
+from tailserve.cli import build_parser, main
 from tests.bench.conftest import FakeServerProcess, run_bench
 
 # The fake server's prefill: 20 ms + 0.2 ms per prompt byte (= token with --tokenizer byte).
@@ -151,3 +153,18 @@ def test_no_metrics_endpoint_gives_null_samples(fake_server: FakeServerProcess) 
         "start": None, "warmup_end": None, "end": None, "rss_growth_after_warmup": None
     }  # fmt: skip
     assert result["calibration"] is None and result["metrics"]["slowdown"] is None
+
+
+def test_capacity_calibrates_once_for_all_probes(fake_server: FakeServerProcess, tmp_path: Path) -> None:
+    fake_server.script([LINEAR])
+    out = tmp_path / "cap"
+    code = main(
+        ["bench", "capacity", *ARGS, "--base-url", fake_server.url, "--calibration-repeats", "1", "--rate-start", "5",
+         "--rate-max", "10", "--probe-duration", "1", "--warmup", "0", "--slo-tpot-ms", "off", "--no-html",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert code in (0, 3)
+    doc = json.loads(out.with_suffix(".json").read_text())
+    calibration_requests = [e for e in fake_server.log() if e["body"]["max_tokens"] == 1]
+    assert len(calibration_requests) == len(doc["calibration"]["lengths"])  # one pass, not one per probe
+    assert len(doc["capacity"]["points"]) >= 2 and doc["metrics"]["slowdown"]["count"] > 0

@@ -24,14 +24,16 @@ from tailserve.cli import main
 from tests.bench.conftest import CHROMIUM, make_record, render_in_chromium
 
 
-def constructed_result(scale: float = 1.0, capacity: bool = False) -> tuple[dict, list[RequestRecord]]:
-    """A 300-request run with a slow tail and server timings, built without any network."""
+def constructed_result(
+    scale: float = 1.0, capacity: bool = False, n: int = 300
+) -> tuple[dict, list[RequestRecord]]:
+    """An n-request run (300) with a slow tail and server timings, built without any network."""
     timings = {"queue_s": 0.01, "prefill_s": 0.05, "decode_s": 0.2, "preemptions": 0}
     records = [
         make_record(i, i * 0.2, (0.1 if i % 50 else 1.5) * scale, 0.02 * scale, 11, timings=timings)
-        for i in range(300)
+        for i in range(n)
     ]
-    records.append(make_record(300, 60.0, 0, 0, 0, error="rate_limited"))
+    records.append(make_record(n, n * 0.2, 0, 0, 0, error="rate_limited"))
     settings = BenchSettings(
         target=TargetConfig("http://127.0.0.1:1", "m", api_key="sk-secret"),
         arrival=ArrivalSpec("poisson", 5.0),
@@ -68,6 +70,16 @@ def test_result_document_is_complete_and_redacted() -> None:
     json.dumps(result, allow_nan=False)  # strict JSON, no NaN
     text = format_summary(result)
     assert "TTFT (s)" in text and "PASS" in text and "rate_limited 1" in text and "slowest 1%" in text
+
+
+def test_slo_verdicts_carry_the_p99_interval() -> None:
+    few, _ = constructed_result()  # 275 successful measured requests: no upper end for P99
+    ttft = next(v for v in few["slo"]["verdicts"] if v["name"] == "p99_ttft_s")
+    assert ttft["passed"] and ttft["passed_upper"] is None and ttft["observed_ci"][1] is None
+    many, _ = constructed_result(n=1000)  # TTFT is 1.5 s on every 50th request, 0.1 s otherwise
+    ttft = next(v for v in many["slo"]["verdicts"] if v["name"] == "p99_ttft_s")
+    assert ttft["observed_ci"] == [1.5, 1.5] and ttft["passed_upper"] is True
+    assert not any("their maximum" in w for w in many["warnings"])
 
 
 def test_cdf_points_keep_the_tail() -> None:
@@ -115,8 +127,24 @@ def test_compare_gives_verdicts_from_intervals(tmp_path: Path, capsys: pytest.Ca
     # Every TTFT is 2x: the medians' intervals are far apart; 276 requests give P99 no upper end.
     assert "differ (2.00x)" in rows[("TTFT (s)", "p50")]
     assert "not enough data" in rows[("TTFT (s)", "p99")] and "x)" not in rows[("TTFT (s)", "p99")]
-    assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = tmp_path / "ab"
+    assert (
+        main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    )
     assert "differ (2.00x)" in capsys.readouterr().out
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert (
+        doc["schema"] == "tailserve-bench-compare" and doc["runs"] == ["a", "b"] and doc["ci_level"] == 0.95
+    )
+    rows = {(r["metric"], r["stat"]): r for r in doc["rows"]}
+    p50, p99 = rows[("ttft_s", "p50")], rows[("ttft_s", "p99")]
+    assert p50["verdicts"] == [{"against": 0, "run": 1, "verdict": "differ", "ratio": pytest.approx(2.0)}]
+    assert p50["values"][0] == {"value": pytest.approx(0.1), "ci": [pytest.approx(0.1), pytest.approx(0.1)]}
+    assert p99["verdicts"][0]["verdict"] == "not enough data" and p99["verdicts"][0]["ratio"] is None
+    assert p99["values"][1]["ci"][1] is None
+    # The same run twice: overlapping intervals, no ratio anywhere.
+    same = format_compare([b, b], ["b", "b2"])
+    assert "no difference shown (intervals overlap)" in same and "differ (" not in same
     (tmp_path / "bad.json").write_text("{}")
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2
     assert "not a tailserve bench result" in capsys.readouterr().err

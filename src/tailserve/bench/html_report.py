@@ -12,6 +12,7 @@ from collections.abc import Callable
 from html import escape
 from typing import Any
 
+from tailserve.bench.html_soak import calibration_html, ci_html, p99_over_time_charts, server_samples_html
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.summary import METRIC_ROWS, fmt_num, format_summary
 from tailserve.bench.svg import Band, Chart, Series
@@ -59,10 +60,10 @@ def render_html(result: dict[str, Any], records: list[RequestRecord]) -> str:
         "<h2>Over time</h2>",
         '<div class="grid">' + "".join(c.render() for c in _time_charts(result, records, bands)) + "</div>",
         "<h2>P99 over time (per window, with intervals)</h2>",
-        '<div class="grid">' + "".join(c.render() for c in _p99_over_time_charts(result, bands)) + "</div>",
+        '<div class="grid">' + "".join(c.render() for c in p99_over_time_charts(result, bands)) + "</div>",
         _windows_table(result["windows"]),
-        _server_samples_html(result.get("server_samples")),
-        _calibration_html(result.get("calibration")),
+        server_samples_html(result.get("server_samples")),
+        calibration_html(result.get("calibration")),
         _attribution_html(result.get("attribution")),
         "<h2>Text summary</h2>",
         f"<pre>{escape(format_summary(result))}</pre>",
@@ -106,10 +107,10 @@ def _metrics_table(result: dict[str, Any]) -> str:
             continue
         level = level or summary.get("ci_level")
         cells = "".join(
-            f"<td>{fmt_num(summary[s], scale)}{_ci_html(summary.get(f'{s}_ci'), scale)}</td>" for s in stats
+            f"<td>{fmt_num(summary[s], scale)}{ci_html(summary.get(f'{s}_ci'), scale)}</td>" for s in stats
         )
         ratio = summary.get("p99_over_mean")
-        ratio_text = "-" if not ratio else f"{ratio:.2f}x" + _ci_html(summary.get("p99_over_mean_ci"), 1.0)
+        ratio_text = "-" if not ratio else f"{ratio:.2f}x" + ci_html(summary.get("p99_over_mean_ci"), 1.0)
         name = f"{label} ({unit})" if unit else label
         rows.append(
             f"<tr><td>{escape(name)}</td><td>{summary['count']}</td>{cells}<td>{ratio_text}</td></tr>"
@@ -126,14 +127,6 @@ def _metrics_table(result: dict[str, Any]) -> str:
         f"{tp['total_tokens_per_s']:.4g} total tok/s over {tp['duration_s']:.1f} s</p>"
     )
     return "".join(rows)
-
-
-def _ci_html(ci: list[float | None] | None, scale: float) -> str:
-    if not ci:
-        return ""
-    lo = "-inf" if ci[0] is None else fmt_num(ci[0], scale)
-    hi = "+inf" if ci[1] is None else fmt_num(ci[1], scale)
-    return f'<br><small class="ci">[{lo}, {hi}]</small>'
 
 
 def cdf_points(values: list[float]) -> list[tuple[float, float]]:
@@ -275,38 +268,6 @@ def _throughput_chart(records: list[RequestRecord], bands: list[Band]) -> Chart:
     )
 
 
-def _p99_over_time_charts(result: dict[str, Any], bands: list[Band]) -> list[Chart]:
-    """Each window's P99 TTFT and TPOT with its interval bar, against the whole run's P99."""
-    windows = result["windows"]
-    rows = windows["rows"]
-    if not rows:
-        return []
-    charts = []
-    for key, name, unit, scale in (("ttft", "TTFT", "s", 1.0), ("tpot", "TPOT", "ms", 1000.0)):
-        kept = [r for r in rows if r[f"{key}_p99_s"] is not None]
-        points = [((r["start_s"] + r["end_s"]) / 2, r[f"{key}_p99_s"] * scale) for r in kept]
-        intervals = [_scaled(r.get(f"{key}_p99_ci"), scale) for r in kept]
-        whole = (result["metrics"].get(f"{key}_s") or {}).get("p99")
-        hlines = [(whole * scale, f"whole run P99 {whole * scale:.3g} {unit}")] if whole else []
-        charts.append(
-            Chart(
-                f"P99 {name} over time ({windows['window_s']:g} s windows)",
-                "window (s from start)",
-                f"P99 {name} ({unit})",
-                [Series(f"window P99 {name} with interval", points, "line", intervals=intervals)],
-                bands=bands,
-                hlines=hlines,
-            )
-        )
-    return charts
-
-
-def _scaled(ci: list[float | None] | None, scale: float) -> tuple[float | None, float | None]:
-    if not ci:
-        return None, None
-    return (None if ci[0] is None else ci[0] * scale, None if ci[1] is None else ci[1] * scale)
-
-
 def _windows_table(windows: dict[str, Any]) -> str:
     rows = windows["rows"]
     if not rows:
@@ -318,60 +279,15 @@ def _windows_table(windows: dict[str, Any]) -> str:
     for r in rows:
         out.append(
             f"<tr><td>{r['start_s']:.0f}</td><td>{r['sent']}</td><td>{r.get('ok', '-')}</td><td>{r['failed']}</td>"
-            f"<td>{fmt_num(r['ttft_p99_s'])}{_ci_html(r.get('ttft_p99_ci'), 1.0)}</td>"
-            f"<td>{fmt_num(r['tpot_p99_s'], 1000)}{_ci_html(r.get('tpot_p99_ci'), 1000.0)}</td>"
-            f"<td>{fmt_num(r['e2e_p99_s'])}{_ci_html(r.get('e2e_p99_ci'), 1.0)}</td></tr>"
+            f"<td>{fmt_num(r['ttft_p99_s'])}{ci_html(r.get('ttft_p99_ci'), 1.0)}</td>"
+            f"<td>{fmt_num(r['tpot_p99_s'], 1000)}{ci_html(r.get('tpot_p99_ci'), 1000.0)}</td>"
+            f"<td>{fmt_num(r['e2e_p99_s'])}{ci_html(r.get('e2e_p99_ci'), 1.0)}</td></tr>"
         )
     out.append("</table>")
     for key, name in (("ttft_p99_max_over_run", "TTFT"), ("tpot_p99_max_over_run", "TPOT")):
         if windows.get(key) is not None:
             out.append(f"<p>highest window P99 {name}: {windows[key]:.2f}x the whole run's P99</p>")
     return "".join(out)
-
-
-def _server_samples_html(samples: dict[str, Any] | None) -> str:
-    if not samples or not any(samples.get(k) for k in ("start", "warmup_end", "end")):
-        return "<h2>Server memory and KV blocks</h2><p>The server exposes no /metrics.</p>"
-    out = [
-        "<h2>Server memory and KV blocks</h2><table><tr><th>sample</th><th>at (s)</th><th>RSS (MiB)</th>"
-        "<th>KV blocks in use</th></tr>"
-    ]
-    for key, label in (("start", "start"), ("warmup_end", "end of warm-up"), ("end", "end of run")):
-        s = samples.get(key)
-        if not s:
-            out.append(f"<tr><td>{label}</td><td>-</td><td>-</td><td>-</td></tr>")
-            continue
-        rss = "-" if s["rss_bytes"] is None else f"{s['rss_bytes'] / 2**20:.1f}"
-        blocks = "-" if s["kv_blocks_used"] is None else f"{s['kv_blocks_used']:g}"
-        out.append(f"<tr><td>{label}</td><td>{s['at_s']:.1f}</td><td>{rss}</td><td>{blocks}</td></tr>")
-    out.append("</table>")
-    if samples.get("rss_growth_after_warmup") is not None:
-        out.append(f"<p>RSS growth after warm-up: {samples['rss_growth_after_warmup']:+.1%}</p>")
-    return "".join(out)
-
-
-def _calibration_html(calibration: dict[str, Any] | None) -> str:
-    if not calibration:
-        return ""
-    fit = calibration.get("fit")
-    if not fit:
-        return "<h2>Calibration</h2><p>Calibration measured nothing (every request failed).</p>"
-    points = [(p["input_tokens"], p["ttft_s"]) for p in calibration["points"]]
-    lo, hi = fit["min_tokens"], fit["max_tokens"]
-    line = [(x, fit["intercept_s"] + fit["slope_s_per_token"] * x) for x in (lo, hi)]
-    chart = Chart(
-        "Calibration: idle TTFT vs prompt length",
-        "prompt tokens",
-        "TTFT (s)",
-        [Series("idle request", points, "scatter"), Series("fitted line", line, "line", "#d62728")],
-    )
-    return (
-        "<h2>Calibration</h2>"
-        f"<p>isolated TTFT = {fit['intercept_s']:.4f} s + {fit['slope_s_per_token'] * 1000:.4f} ms/token "
-        f"&times; prompt tokens, least squares over the per-length medians of {len(points)} sequential requests "
-        f"on the idle server ({calibration['failed']} failed). Slowdown = TTFT / isolated TTFT; queue delay = "
-        "TTFT &minus; isolated TTFT.</p>" + chart.render()
-    )
 
 
 def _attribution_html(att: dict[str, Any] | None) -> str:

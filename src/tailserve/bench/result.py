@@ -24,6 +24,7 @@ from tailserve.bench.records import FATAL_ERROR_KINDS, RequestRecord
 from tailserve.bench.stats import (
     P99_OVER_MEAN_WARN,
     SloTargets,
+    SloVerdict,
     assign_phases,
     attribute_slowest,
     slo_verdicts,
@@ -155,7 +156,7 @@ def build_result(
         "errors": {"by_kind": dict(errors), "all_phases": dict(all_errors), "examples": examples},
         "slo": {
             "targets": asdict(settings.slo),
-            "verdicts": [asdict(v) for v in verdicts],
+            "verdicts": _verdicts_with_intervals(verdicts, metrics),
             "all_pass": bool(verdicts) and all(v.passed for v in verdicts),
             "goodput_per_s": rates.goodput_per_s,
             "goodput_fraction": rates.goodput_fraction,
@@ -171,6 +172,21 @@ def build_result(
     }
     result["warnings"] = _warnings(result, records, settings)
     return result
+
+
+def _verdicts_with_intervals(verdicts: list[SloVerdict], metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each latency verdict also carries its P99's interval and whether the interval's upper end is
+    within the target (the conservative reading; None when the interval has no upper end)."""
+    out = []
+    for v in verdicts:
+        row = asdict(v)
+        summary = metrics.get(v.name.removeprefix("p99_"))
+        if v.name != "error_rate":
+            ci = summary.p99_ci if summary else (None, None)
+            row["observed_ci"] = list(ci)
+            row["passed_upper"] = None if ci[1] is None else ci[1] <= v.threshold
+        out.append(row)
+    return out
 
 
 def interference(ok: list[RequestRecord], calibration: Calibration | None) -> tuple[list[float], list[float]]:

@@ -5,6 +5,7 @@ Reads only the result JSON (docs/BENCH.md), so a saved file prints exactly like 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # (metric key, label, scale to display unit, unit)
@@ -34,9 +35,7 @@ def _ci_cells(summary: dict[str, Any], scale: float) -> str:
         if not ci:
             cells.append(f"{'':>{_COL}}")
             continue
-        lo = "-inf" if ci[0] is None else fmt_num(ci[0], scale)
-        hi = "+inf" if ci[1] is None else fmt_num(ci[1], scale)
-        cells.append(f"{'[' + lo + ',' + hi + ']':>{_COL}}")
+        cells.append(f"{fmt_interval(ci, scale, sep=','):>{_COL}}")
     return "".join(cells)
 
 
@@ -188,8 +187,8 @@ def _window_lines(windows: dict[str, Any]) -> list[str]:
         "TPOT(ms) [interval]     E2E(s)"
     ]
     for r in rows:
-        ttft = _with_ci(r["ttft_p99_s"], r.get("ttft_p99_ci"), 1.0)
-        tpot = _with_ci(r["tpot_p99_s"], r.get("tpot_p99_ci"), 1000.0)
+        ttft = with_interval(r["ttft_p99_s"], r.get("ttft_p99_ci"), 1.0)
+        tpot = with_interval(r["tpot_p99_s"], r.get("tpot_p99_ci"), 1000.0)
         out.append(
             f"{'':26}{r['start_s']:6.0f} {r['sent']:6d} {r['failed']:5d}  {ttft:<22} {tpot:<22} "
             f"{fmt_num(r['e2e_p99_s']):>7}"
@@ -200,14 +199,18 @@ def _window_lines(windows: dict[str, Any]) -> list[str]:
     return out
 
 
-def _with_ci(value: float | None, ci: list[float | None] | None, scale: float) -> str:
+def with_interval(value: float | None, ci: Sequence[float | None] | None, scale: float = 1.0) -> str:
+    """`1.20 [1.10, 1.40]`; just the value when there is no interval, `-` when there is no value."""
     if value is None:
         return "-"
-    if not ci:
-        return fmt_num(value, scale)
+    return fmt_num(value, scale) + (f" {fmt_interval(ci, scale)}" if ci else "")
+
+
+def fmt_interval(ci: Sequence[float | None], scale: float = 1.0, sep: str = ", ") -> str:
+    """`[lo, hi]`; an unbounded (None) end shows as -inf / +inf."""
     lo = "-inf" if ci[0] is None else fmt_num(ci[0], scale)
     hi = "+inf" if ci[1] is None else fmt_num(ci[1], scale)
-    return f"{fmt_num(value, scale)} [{lo}, {hi}]"
+    return f"[{lo}{sep}{hi}]"
 
 
 def lookup(doc: dict[str, Any], path: tuple[str, ...]) -> float | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tailserve.bench.intervals import intervals_overlap
-from tailserve.bench.summary import fmt_num, lookup
+from tailserve.bench.summary import fmt_num, lookup, with_interval
 
 COMPARE_SCHEMA = "tailserve-bench-compare"
 DIFFER = "differ"
@@ -95,15 +95,6 @@ def compare_document(docs: list[dict[str, Any]], names: list[str]) -> dict[str, 
     }
 
 
-def format_interval(value: float | None, ci: Interval, scale: float) -> str:
-    """`1.20 [1.10, 1.40]`; an unbounded end shows as -inf / +inf."""
-    if value is None:
-        return "-"
-    lo = "-inf" if ci[0] is None else fmt_num(ci[0], scale)
-    hi = "+inf" if ci[1] is None else fmt_num(ci[1], scale)
-    return f"{fmt_num(value, scale)} [{lo}, {hi}]"
-
-
 def format_compare(docs: list[dict[str, Any]], names: list[str]) -> str:
     """The side-by-side table with a verdict per percentile for every run after the first."""
     width = 26
@@ -114,7 +105,7 @@ def format_compare(docs: list[dict[str, Any]], names: list[str]) -> str:
     for row in compare_rows(docs):
         label, scale = scales[row["metric"]]
         cells = "".join(
-            f"{format_interval(c['value'], (c['ci'][0], c['ci'][1]), scale):>{width}}" for c in row["values"]
+            f"{with_interval(c['value'], (c['ci'][0], c['ci'][1]), scale):>{width}}" for c in row["values"]
         )
         said = []
         for v in row["verdicts"]:

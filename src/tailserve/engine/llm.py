@@ -33,6 +33,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
+        self.engine.runner.close()
+
     def generate(
         self,
         prompts: Sequence[str | list[int]],

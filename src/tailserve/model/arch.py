@@ -110,6 +110,21 @@ PRESETS: dict[str, ArchConfig] = {
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     ),
+    # Qwen2.5-0.5B's head layout (14 heads, 2 KV heads, q/k/v biases) at toy widths: the
+    # tensor-parallel tests' split-KV shape, small enough to spawn several ranks of.
+    "tp-qwen2": ArchConfig(
+        family="qwen2",
+        vocab_size=999,  # odd: the last vocabulary shard is one row short (gather pads it)
+        hidden_size=224,
+        num_layers=2,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        max_position_embeddings=2048,
+    ),
     "smollm2-135m": ArchConfig(
         family="llama",
         vocab_size=49152,

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.quality_gate import GateResult, choose_weight_format
 from tailserve.model.runner import ModelRunner, kv_bytes_per_token, kv_pool_shape
 from tailserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tailserve.model.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +77,9 @@ def resolve_kv_dtype(kv_cache_dtype: str, activation_dtype: torch.dtype) -> torc
 def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = None) -> BuiltModel:
     """Load (unless `loaded` is given: tests reuse weights), build the model, size and allocate the pool."""
     device = resolve_device(mc.device)
-    if device.type == "cpu":
-        torch.set_num_threads(mc.num_threads or default_cpu_threads())  # per process: the engine owns it
+    size = mc.tensor_parallel_size
+    if device.type == "cpu":  # per process: the engine owns it; tensor-parallel ranks share the cores
+        torch.set_num_threads(mc.num_threads or max(1, default_cpu_threads() // size))
     # The quality gate decides `auto` and vets an explicit fast format before anything is built.
     choice = choose_weight_format(
         mc.model,
@@ -85,28 +90,85 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         loaded=loaded,
     )
     weight_format = choice.weight_format
-    dtype = activation_dtype(weight_format, device)
     if loaded is None:
-        # A plan that runs the int4 layers from their blocks on both phases needs no dense copy.
-        dense_q4 = plan_for(weight_format, device).prefill != "int4"
-        loaded = load_model(mc.model, dtype, mc.seed, dense_q4=dense_q4)
+        loaded = _load(mc, weight_format, device)
+    tp = None
+    if size > 1:  # refused here, before any worker starts, if the model cannot split N ways
+        from tailserve.model import parallel, tp_worker
+
+        split = parallel.check_shardable(loaded.arch, size, weight_format)
+        log.info("%s", split.describe())
+        tp = parallel.start_group(loaded.arch, split, device, tp_worker.main, (mc, cc, weight_format))
+    try:
+        return _build_rank(mc, cc, loaded, weight_format, device, tp, choice.gate)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+
+
+def build_worker_runner(
+    mc: ModelConfig, cc: CacheConfig, weight_format: str, rank: int, port: int
+) -> BuiltModel:
+    """A tensor-parallel worker's runner over its shard: load, join rank 0's group, build."""
+    from tailserve.model import parallel
+
+    size = mc.tensor_parallel_size
+    device = resolve_device(mc.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(mc.num_threads or max(1, default_cpu_threads() // size))
+    loaded = _load(mc, weight_format, device)
+    split = parallel.check_shardable(loaded.arch, size, weight_format)
+    parallel.join_group(rank, size, port, device)
+    tp = parallel.TensorParallel(rank, loaded.arch, split, device)
+    return _build_rank(mc, cc, loaded, weight_format, device, tp, None)
+
+
+def _load(mc: ModelConfig, weight_format: str, device: torch.device) -> LoadedModel:
+    dtype = activation_dtype(weight_format, device)
+    # A plan that runs the int4 layers from their blocks on both phases needs no dense copy.
+    dense_q4 = plan_for(weight_format, device).prefill != "int4"
+    return load_model(mc.model, dtype, mc.seed, dense_q4=dense_q4)
+
+
+def _build_rank(
+    mc: ModelConfig,
+    cc: CacheConfig,
+    loaded: LoadedModel,
+    weight_format: str,
+    device: torch.device,
+    tp: TensorParallel | None,
+    gate: GateResult | None,
+) -> BuiltModel:
+    """The model (this rank's shard under TP) and its runner over a KV pool sized the same on every rank."""
+    dtype = activation_dtype(weight_format, device)
     arch = loaded.arch
+    kv_arch = arch
+    if tp is not None:
+        from tailserve.model.parallel import local_arch
+
+        kv_arch = local_arch(arch, tp.split, tp.rank)
     max_model_len = min(
         mc.max_model_len or min(arch.max_position_embeddings, MAX_DEFAULT_CONTEXT),
         arch.max_position_embeddings,
     )
     kv_dtype = resolve_kv_dtype(mc.kv_cache_dtype, dtype)
-    per_token = kv_bytes_per_token(arch, kv_dtype)
+    per_token = kv_bytes_per_token(kv_arch, kv_dtype)
     num_blocks = _num_blocks(cc, device, per_token)
-    shape = kv_pool_shape(arch, num_blocks, cc.block_size)
+    if tp is not None:  # rank 0's block tables index every rank's pool: one size for all
+        num_blocks = tp.min_over_ranks(num_blocks)
+    shape = kv_pool_shape(kv_arch, num_blocks, cc.block_size)
     pool: list[torch.Tensor] = []
     if device.type == "cpu":  # first-touching a GiB of pages takes ~0.6 s: overlap it with the build
         zeroing = threading.Thread(target=lambda: pool.append(torch.zeros(shape, dtype=kv_dtype)))
         zeroing.start()
-        model = build_model(loaded, weight_format, device, max_model_len)
+        model = build_model(loaded, weight_format, device, max_model_len, tp=tp)
         zeroing.join()
     else:
-        model = build_model(loaded, weight_format, device, max_model_len)
+        model = build_model(loaded, weight_format, device, max_model_len, tp=tp)
     runner = ModelRunner(
         model,
         num_blocks,
@@ -115,8 +177,9 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         backend=_pick_backend(device),
         kv_dtype=kv_dtype,
         kv_pool=pool[0] if pool else None,
+        tp=tp,
     )
-    if runner.backend.name == "triton" and not mc.enforce_eager:
+    if runner.backend.name == "triton" and not mc.enforce_eager and tp is None:
         _attach_decode_graphs(runner, max_model_len)
     tokens = num_blocks * cc.block_size
     log.info(
@@ -144,7 +207,7 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         kv_bytes_per_token=per_token,
         load_s=loaded.load_s,
         weight_format=weight_format,
-        gate=choice.gate,
+        gate=gate,
     )
 
 

@@ -73,7 +73,7 @@ class FusedCpuForward:
         t, dim, eps = input_ids.shape[0], self.hidden, self.eps
         heads, kv_heads, hd = self.heads, self.kv_heads, self.head_dim
         d = meta.num_decodes
-        h = F.embedding(input_ids, model.embed).float()  # the float32 residual stream, updated in place
+        h = model.embed_tokens(input_ids).contiguous()  # the float32 residual stream, updated in place
         x = torch.empty(t, dim, dtype=torch.bfloat16)
         lib.ts_rms_norm(ptr(h), ptr(layers[0].input_norm), ptr(x), t, dim, eps)
         positions = positions.contiguous()
@@ -98,17 +98,23 @@ class FusedCpuForward:
                 )  # fmt: skip
             if meta.prefills:
                 self._prefill_attention(qkv, attn, k_cache, v_cache, meta)
-            o = layer.o(attn.view(t, q_size), d)
+            o = self._reduce(layer.o(attn.view(t, q_size), d))
             lib.ts_add_rms_norm(h_p, ptr(o), o.stride(0), ptr(layer.post_norm), x_p, t, dim, eps)
             gu = layer.gate_up(x, d).contiguous()
             act = torch.empty(t, inter, dtype=torch.bfloat16)
             lib.ts_silu_mul(ptr(gu), ptr(act), t, inter)
-            down = layer.down(act, d)
+            down = self._reduce(layer.down(act, d))
             nxt = ptr(layers[i + 1].input_norm) if i + 1 < len(layers) else None
             lib.ts_add_rms_norm(h_p, ptr(down), down.stride(0), nxt, x_p, t, dim, eps)
         out = F.rms_norm(h.index_select(0, logits_indices), (dim,), model.norm, eps)
-        logits: torch.Tensor = model.lm_head(out)
-        return logits
+        return model.head_logits(out)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism, the row-parallel partial sums added over ranks in float32 and
+        handed back in bf16 (what the residual-add kernel reads); as is otherwise."""
+        if self.model.tp is None:
+            return partial
+        return self.model.tp.all_reduce(partial).to(torch.bfloat16)
 
     def _prefill_attention(
         self,

@@ -8,6 +8,7 @@ format that passed); `auto` reaching this module directly means the gate's first
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from tailserve.model.weight_formats import (
     int4_from_blocks,
     int8_groups_from_blocks,
 )
+
+if TYPE_CHECKING:
+    from tailserve.model.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +85,12 @@ def build_model(
     max_positions: int,
     head: str | None = None,
     dense_decode_from_rows: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> TransformerLM:
-    """The transformer in `weight_format` on `device`, from weights already loaded (any load dtype)."""
+    """The transformer in `weight_format` on `device`, from weights already loaded (any load dtype).
+
+    With `tp`, only this rank's shard of every weight (and of the file's int4 / Q8_0 groups) is built.
+    """
     plan = plan_for(weight_format, device, head, dense_decode_from_rows)
     blocks = loaded.blocks
     int4: dict[str, Int4Groups] = {}
@@ -107,5 +115,14 @@ def build_model(
     if plan.activation_dtype == torch.float32 and any(w.dtype != torch.float32 for w in weights.values()):
         log.warning("fp32 format over weights loaded in a lower precision: upcast, not re-read")
         weights = {k: w.float() for k, w in weights.items()}
-    model = TransformerLM(loaded.arch, weights, max_positions, plan, int4, head_weight, head_int8)
+    arch = loaded.arch
+    if tp is not None:
+        from tailserve.model.parallel import shard_for
+
+        arch, weights, int4, head_weight, head_int8 = shard_for(
+            tp, arch, weights, int4, head_weight, head_int8, head_name
+        )
+    model = TransformerLM(arch, weights, max_positions, plan, int4, head_weight, head_int8)
+    if tp is not None:
+        model.shard_over(tp)
     return model.to(device)

@@ -8,6 +8,7 @@ never guesses. It knows nothing of requests, queues or stopping rules.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from tailserve.model.transformer import TransformerLM
 
 if TYPE_CHECKING:
     from tailserve.model.cuda_graphs import DecodeGraphRunner
+    from tailserve.model.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +71,13 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         cpu_kernels: bool = True,
         kv_pool: torch.Tensor | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        arch = model.arch
+        arch = model.arch  # under tensor parallelism, this rank's shard of heads and KV heads
+        self.tp = tp
+        # Seconds of the last step's forward in collectives vs the rest (0 without tensor parallelism).
+        self.last_comm_s = 0.0
+        self.last_compute_s = 0.0
         self.model = model
         self.arch = arch
         self.device = device
@@ -115,10 +122,14 @@ class ModelRunner:
         """`execute` without CUDA graphs: one eager forward over the flattened batch."""
         if not chunks:
             return []
+        start = self._start_step("step", chunks)
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         scored = _scored_rows(chunks)  # after the sampled rows, only for chunks that ask
         logits_indices = torch.tensor(logits_rows + scored, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, logits_indices)
+        self._end_step(start)
+        if self.tp is not None and not self.tp.is_driver:
+            return [None] * len(chunks)  # rank 0 samples
         if scored:
             _score_prompts(logits[len(logits_rows) :], chunks)
             logits = logits[: len(logits_rows)]
@@ -130,10 +141,32 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Teacher-forced logits of every new token of every chunk, in order; KV written as in execute."""
+        start = self._start_step("logits", chunks)
         input_ids, positions, meta, _ = self._prepare(chunks)
         rows = torch.arange(input_ids.shape[0], device=self.device)
         logits: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, self.backend, rows)
+        self._end_step(start)
         return logits
+
+    def _start_step(self, kind: str, chunks: list[SeqChunk]) -> float:
+        """Under tensor parallelism rank 0 sends the plan first: the workers unpack it while rank 0
+        builds its own batch tensors (the one overlap of communication with work on this path)."""
+        tp = self.tp
+        if tp is not None:
+            if tp.is_driver:
+                tp.send_plan((kind, plan_message(chunks)))
+            tp.comm_s = 0.0
+        return time.perf_counter()
+
+    def _end_step(self, start: float) -> None:
+        if self.tp is not None:
+            self.last_comm_s = self.tp.comm_s
+            self.last_compute_s = time.perf_counter() - start - self.tp.comm_s
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _prepare(
         self, chunks: list[SeqChunk]
@@ -195,6 +228,20 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions_t = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions_t, meta, logits_rows
+
+
+PlanChunk = tuple[list[int], int, list[int], bool, bool]  # token_ids, start_pos, block_table, sample, decode
+
+
+def plan_message(chunks: list[SeqChunk]) -> list[PlanChunk]:
+    """What a tensor-parallel worker needs of a step: everything but the sampling (rank 0 samples)."""
+    return [(c.token_ids, c.start_pos, c.block_table, c.sample, c.decode) for c in chunks]
+
+
+def chunks_from_plan(plan: list[PlanChunk]) -> list[SeqChunk]:
+    """A worker's chunks, rebuilt from `plan_message` (greedy sampling specs that are never used)."""
+    unused = SamplingSpec()
+    return [SeqChunk(ids, start, table, sample, unused, decode) for ids, start, table, sample, decode in plan]
 
 
 def _scored_rows(chunks: list[SeqChunk]) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from tailserve.model.weight_formats import (
 
 if TYPE_CHECKING:
     from tailserve.model.cpu_fused import FusedCpuForward
+    from tailserve.model.parallel import TensorParallel
 
 HEAD_KERNELS = ("fp32", "bf16", "int8", "int4", "q8")
 
@@ -123,6 +124,7 @@ class DecoderLayer(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.intermediate = arch.intermediate_size
         self.scale = arch.head_dim**-0.5
+        self.tp: TensorParallel | None = None  # set by TransformerLM.shard_over: o and down all-reduce
 
     def forward(
         self,
@@ -140,10 +142,14 @@ class DecoderLayer(nn.Module):
         rotated = _rotate(qk.view(-1, self.qk_heads, dim), *rope)
         q, k = torch.split(rotated, [self.num_heads, self.num_kv_heads], 1)
         attn = backend.forward(q, k, v.view(-1, self.num_kv_heads, dim), k_cache, v_cache, meta, self.scale)
-        h = h + self.o(attn.reshape(-1, self.q_size), d)
+        h = h + self.reduce(self.o(attn.reshape(-1, self.q_size), d))
         gate, up = self.gate_up(self._norm(h, self.post_norm), d).chunk(2, dim=-1)
-        out: torch.Tensor = h + self.down(F.silu(gate) * up, d)
+        out: torch.Tensor = h + self.reduce(self.down(F.silu(gate) * up, d))
         return out
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's output summed over ranks (float32); as is without TP."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the float32 residual stream, handed to the linears in the activation dtype."""
@@ -276,6 +282,25 @@ class TransformerLM(nn.Module):
         # (-sin, sin): the sign of rotate_half folded in, so a rotation is three ops (see _rotate).
         self.register_buffer("sin_table", torch.cat((-half_sin, half_sin), -1).float().to(dtype), False)
         self.fused: FusedCpuForward | None = None
+        self.tp: TensorParallel | None = None
+
+    def shard_over(self, tp: TensorParallel) -> None:
+        """This model is one rank's shard: all-reduce after o and down, vocab-parallel embed and head."""
+        self.tp = tp
+        for layer in self.layers:
+            cast(DecoderLayer, layer).tp = tp
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The float32 residual stream's first rows (summed over the vocabulary shards under TP)."""
+        if self.tp is not None:
+            return self.tp.embed(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed)
+        return h if h.dtype == torch.float32 else h.float()
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the normed rows; under TP rank 0 gathers every vocabulary shard."""
+        logits: torch.Tensor = self.lm_head(h)
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     def use_cpu_kernels(self, kv_dtype: torch.dtype) -> bool:
         """Run forward through the fused CPU kernels from now on, if they build and fit this model."""
@@ -301,14 +326,12 @@ class TransformerLM(nn.Module):
     ) -> torch.Tensor:
         if self.fused is not None and backend.name == "torch":
             return self.fused(input_ids, positions, kv_caches, meta, logits_indices)
-        h = F.embedding(input_ids, self.embed)
-        h = h if h.dtype == torch.float32 else h.float()  # the residual stream is float32
+        h = self.embed_tokens(input_ids)  # the residual stream is float32
         rope = (self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1))
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = layer(h, rope, k_cache, v_cache, meta, backend)
         h = F.rms_norm(h.index_select(0, logits_indices), (h.shape[-1],), self.norm, self.eps)
-        logits: torch.Tensor = self.lm_head(h)
-        return logits
+        return self.head_logits(h)
 
 
 def _dtype(kernel: str) -> torch.dtype:

@@ -61,6 +61,12 @@ def register(subparsers: Any) -> None:
     m.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads for the model (default: cores - 1, min 1)"
     )
+    m.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks: this process and N-1 workers (gloo on CPU, NCCL on CUDA)",
+    )
     c = p.add_argument_group("KV cache")
     c.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1 GiB on CPU)")
     c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -134,6 +140,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             served_model_name=args.served_model_name,
             enforce_eager=args.enforce_eager,
             num_threads=args.num_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -196,6 +203,15 @@ def serve(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"tailserve serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # e.g. a --tensor-parallel-size the model cannot split into
+        print(f"tailserve serve: {exc}", file=sys.stderr)
+        return 2
+    tp = engine.engine.runner.tp
+    if tp is not None:  # a dead worker fails what is in flight, then the server exits non-zero
+        tp.exit_process_on_worker_death()
     generation = read_generation_defaults(model_file(args.model))
     server_config = dataclasses.replace(server_config, generation=generation)
-    return run_server(create_app(engine, server_config), server_config)
+    try:
+        return run_server(create_app(engine, server_config), server_config)
+    finally:
+        engine.engine.runner.close()  # stops tensor-parallel workers after the drain

@@ -1,0 +1,368 @@
+"""Tensor parallelism: the process group, the sharding of weights at load, and the step's collectives.
+
+Rank 0 lives in the serving process and owns scheduling; ranks 1..N-1 are worker processes
+(`model.tp_worker`) started here. Each step rank 0 sends the plan down a pipe to every worker, every
+rank runs the same forward over its shard (column-parallel q|k|v and gate|up, row-parallel o and
+down with one all-reduce each, a vocab-parallel embedding and LM head), and rank 0 gathers the
+sampled rows' logits. gloo on CPU (tested), NCCL on CUDA (written, untested: no GPU here).
+Never schedules and never samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tailserve.errors import ConfigError, TailserveError
+from tailserve.model.arch import ArchConfig
+from tailserve.model.weight_formats import INT4_GROUP, Int4Groups, Int8Groups
+from tailserve.plan.tensor_parallel import TensorParallelSplit, tensor_parallel_split
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 60  # a step's collectives; between steps workers wait on the pipe, unbounded
+JOIN_TIMEOUT_S = 300  # workers load their shard before they join the group
+WORKER_DEATH_GRACE_S = 2.0  # time for error responses to reach clients before the server exits
+EXIT_WORKER_DIED = 70  # the serving process's exit status when a worker died
+
+
+class TensorParallelError(TailserveError):
+    """A tensor-parallel rank is gone or a collective failed: the engine cannot run another step."""
+
+
+def check_shardable(arch: ArchConfig, size: int, weight_format: str) -> TensorParallelSplit:
+    """The split for `size` ranks, or a ConfigError before anything starts."""
+    split = tensor_parallel_split(arch.num_heads, arch.num_kv_heads, size)
+    if arch.intermediate_size % size:
+        raise ConfigError(
+            f"--tensor-parallel-size {size} does not divide the MLP width {arch.intermediate_size}"
+        )
+    if weight_format == "int4" and size > 1:
+        # Row-parallel int4 weights split along K on the 32-wide groups.
+        for what, width in (
+            ("o_proj input", split.heads_per_rank * arch.head_dim),
+            ("down_proj input", arch.intermediate_size // size),
+        ):
+            if width % INT4_GROUP:
+                raise ConfigError(
+                    f"int4 weights shard on {INT4_GROUP}-wide groups, but the {what} per rank is {width} "
+                    f"at --tensor-parallel-size {size}; use another size or --weight-format bf16"
+                )
+    return split
+
+
+def vocab_range(vocab_size: int, size: int, rank: int) -> tuple[int, int]:
+    """Rows of the embedding and LM head a rank holds: ceil(V / N) each, the last one shorter."""
+    per = -(-vocab_size // size)
+    start = min(vocab_size, rank * per)
+    return start, min(vocab_size, start + per)
+
+
+def local_arch(arch: ArchConfig, split: TensorParallelSplit, rank: int) -> ArchConfig:
+    """The shapes one rank's shard has: its heads, KV heads, MLP width and vocabulary rows."""
+    start, stop = vocab_range(arch.vocab_size, split.size, rank)
+    return dataclasses.replace(
+        arch,
+        num_heads=split.heads_per_rank,
+        num_kv_heads=split.kv_heads_per_rank,
+        intermediate_size=arch.intermediate_size // split.size,
+        head_dim=arch.head_dim,
+        vocab_size=stop - start,
+    )
+
+
+def shard_range(
+    name: str, arch: ArchConfig, split: TensorParallelSplit, rank: int
+) -> tuple[int, int, int] | None:
+    """(axis, start, stop) of a Hugging Face-named tensor a rank keeps; None: every rank keeps it all."""
+    hd, size = arch.head_dim, split.size
+    heads, kv = split.heads(rank), split.kv_heads(rank)
+    inter = arch.intermediate_size // size
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return 0, heads.start * hd, heads.stop * hd
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")) or name.endswith(
+        ("self_attn.v_proj.weight", "self_attn.v_proj.bias")
+    ):
+        return 0, kv.start * hd, kv.stop * hd
+    if name.endswith("self_attn.o_proj.weight"):
+        return 1, heads.start * hd, heads.stop * hd
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return 0, rank * inter, (rank + 1) * inter
+    if name.endswith("mlp.down_proj.weight"):
+        return 1, rank * inter, (rank + 1) * inter
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (0, *vocab_range(arch.vocab_size, size, rank))
+    return None
+
+
+def shard_tensor(t: torch.Tensor, where: tuple[int, int, int] | None) -> torch.Tensor:
+    """A rank's own copy of its slice (the full tensor can then be freed)."""
+    if where is None:
+        return t
+    axis, start, stop = where
+    part = t.narrow(axis, start, stop - start)
+    return part if part.is_meta else part.contiguous().clone()
+
+
+def shard_int4(groups: Int4Groups, where: tuple[int, int, int] | None) -> Int4Groups:
+    """Int4 groups cut on group boundaries: rows for column-parallel, 32-wide K runs for row-parallel."""
+    if where is None:
+        return groups
+    axis, start, stop = where
+    if axis == 0:
+        rows = slice(start, stop)
+        return Int4Groups(
+            np.ascontiguousarray(groups.codes[rows]),
+            np.ascontiguousarray(groups.scale[rows]),
+            np.ascontiguousarray(groups.zero[rows]),
+        )
+    if start % INT4_GROUP or stop % INT4_GROUP:
+        raise ConfigError(f"int4 groups split along K at {start}..{stop}: not on {INT4_GROUP}-wide groups")
+    g = slice(start // INT4_GROUP, stop // INT4_GROUP)
+    return Int4Groups(
+        np.ascontiguousarray(groups.codes[:, start:stop]),
+        np.ascontiguousarray(groups.scale[:, g]),
+        np.ascontiguousarray(groups.zero[:, g]),
+    )
+
+
+def shard_int8_rows(groups: Int8Groups, where: tuple[int, int, int] | None) -> Int8Groups:
+    """Q8_0 groups of the LM head cut along the vocabulary (rows)."""
+    if where is None:
+        return groups
+    _, start, stop = where
+    return Int8Groups(groups.codes[start:stop].clone(), groups.scale[start:stop].clone())
+
+
+class TensorParallel:
+    """One rank's handle on the group: its split, its vocabulary rows, the collectives of a step.
+
+    `comm_s` adds up the seconds this rank spent in collectives; the runner reads and resets it
+    per step to report communication against compute.
+    """
+
+    def __init__(self, rank: int, arch: ArchConfig, split: TensorParallelSplit, device: torch.device) -> None:
+        self.rank = rank
+        self.size = split.size
+        self.split = split
+        self.device = device
+        self.vocab_size = arch.vocab_size
+        self.vocab_start, self.vocab_stop = vocab_range(arch.vocab_size, split.size, rank)
+        self.vocab_per_rank = -(-arch.vocab_size // split.size)
+        self.comm_s = 0.0
+        self.workers: list[BaseProcess] = []  # rank 0 only
+        self.plan_pipes: list[Connection] = []  # rank 0 only: one per worker
+        self.dead: str | None = None  # why the group cannot run another step
+        self.closing = False
+        self._on_death: list[Callable[[str], None]] = []
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: schedules, sends plans, samples."""
+        return self.rank == 0
+
+    # ----- collectives of a step --------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The float32 sum over ranks of `t` (row-parallel partial sums)."""
+        x = t.contiguous() if t.dtype == torch.float32 else t.float()
+        self._collective(lambda: dist.all_reduce(x))
+        return x
+
+    def embed(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding: each rank looks up the ids it holds, zeros elsewhere, summed."""
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < table.shape[0])
+        rows = F.embedding(local.clamp(0, table.shape[0] - 1), table).float()
+        rows.mul_(inside.unsqueeze(1))
+        return self.all_reduce(rows)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each rank's vocabulary columns of the sampled rows, concatenated on rank 0 (others: their own)."""
+        x = logits.float()
+        pad = self.vocab_per_rank - x.shape[1]
+        if pad:
+            x = F.pad(x, (0, pad), value=float("-inf"))
+        x = x.contiguous()
+        if not self.is_driver:
+            self._collective(lambda: dist.gather(x, None, dst=0))
+            return logits
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._collective(lambda: dist.gather(x, parts, dst=0))
+        return torch.cat(parts, dim=1)[:, : self.vocab_size]
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (the KV pool's block count must agree)."""
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        self._collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        return int(t.item())
+
+    def _collective(self, op: Callable[[], object]) -> None:
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
+        start = time.perf_counter()
+        try:
+            op()
+        except Exception as exc:  # gloo / NCCL report a lost peer as RuntimeError or DistBackendError
+            self.dead = self.dead or f"tensor-parallel collective failed: {exc}"
+            raise TensorParallelError(self.dead) from exc
+        finally:
+            self.comm_s += time.perf_counter() - start
+
+    # ----- the plan (rank 0 -> workers) -------------------------------------------------------
+    def send_plan(self, message: tuple[Any, ...]) -> None:
+        """Hand every worker this step's plan; returns once written, so rank 0 prepares meanwhile."""
+        if self.dead is not None:
+            raise TensorParallelError(self.dead)
+        try:
+            for pipe in self.plan_pipes:
+                pipe.send(message)
+        except OSError as exc:
+            self.dead = self.dead or f"a tensor-parallel worker is gone: {exc}"
+            raise TensorParallelError(self.dead) from exc
+
+    # ----- lifecycle (rank 0) -----------------------------------------------------------------
+    def on_worker_death(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` from the watchdog thread when a worker exits unasked."""
+        self._on_death.append(callback)
+
+    def exit_process_on_worker_death(self) -> None:
+        """The serving process's policy: fail what is in flight, then exit non-zero for a restart."""
+
+        def exit_soon(reason: str) -> None:
+            time.sleep(WORKER_DEATH_GRACE_S)
+            log.critical(
+                "%s; exiting with status %d so the orchestrator restarts the server", reason, EXIT_WORKER_DIED
+            )
+            logging.shutdown()
+            os._exit(EXIT_WORKER_DIED)
+
+        self.on_worker_death(exit_soon)
+
+    def _watch(self) -> None:
+        """Watchdog: a worker that exits while the group is up makes the group dead."""
+        sentinels = {p.sentinel: p for p in self.workers}
+        wait(list(sentinels))
+        if self.closing:
+            return
+        gone = [p for p in self.workers if not p.is_alive()]
+        reason = ", ".join(f"{p.name} exited with status {p.exitcode}" for p in gone)
+        self.dead = self.dead or f"tensor-parallel worker died ({reason})"
+        log.error("%s: failing in-flight requests", self.dead)
+        for callback in self._on_death:
+            callback(self.dead)
+
+    def close(self) -> None:
+        """Stop the workers (they finish the message in hand) and leave the group. Idempotent."""
+        if self.closing:
+            return
+        self.closing = True
+        for pipe in self.plan_pipes:
+            try:
+                pipe.send(("stop",))
+                pipe.close()
+            except OSError:
+                pass
+        for p in self.workers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(rank: int, size: int, port: int, device: torch.device) -> None:
+    """Join the default process group over TCP on the loopback (one node)."""
+    dist.init_process_group(
+        backend_for(device),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S if rank else JOIN_TIMEOUT_S),
+    )
+
+
+def start_group(
+    arch: ArchConfig,
+    split: TensorParallelSplit,
+    device: torch.device,
+    worker_main: Callable[..., None],
+    worker_args: tuple[Any, ...],
+) -> TensorParallel:
+    """Rank 0: start N-1 worker processes (spawned), join the group with them, watch them."""
+    if dist.is_initialized():
+        raise ConfigError("a tensor-parallel engine is already running in this process; close it first")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    tp = TensorParallel(0, arch, split, device)
+    for rank in range(1, split.size):
+        child, parent = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+        proc = ctx.Process(
+            target=worker_main,
+            args=(rank, split.size, port, child, *worker_args),
+            name=f"tp-worker-{rank}",
+            daemon=False,  # stopped by TensorParallel.close, never by multiprocessing's atexit
+        )
+        proc.start()
+        child.close()
+        tp.workers.append(proc)
+        tp.plan_pipes.append(parent)
+        log.info("started tensor-parallel worker rank %d (pid %d)", rank, proc.pid)
+    try:
+        join_group(0, split.size, port, device)
+    except Exception:
+        tp.close()
+        raise
+    threading.Thread(target=tp._watch, name="tp-watchdog", daemon=True).start()
+    return tp
+
+
+def shard_for(
+    tp: TensorParallel | None,
+    arch: ArchConfig,
+    weights: Mapping[str, torch.Tensor],
+    int4: Mapping[str, Int4Groups],
+    head_weight: torch.Tensor | None,
+    head_int8: Int8Groups | None,
+    head_name: str,
+) -> tuple[
+    ArchConfig, dict[str, torch.Tensor], dict[str, Int4Groups], torch.Tensor | None, Int8Groups | None
+]:
+    """Every weight the model is built from, cut to this rank's shard (unchanged without TP)."""
+    if tp is None:
+        return arch, dict(weights), dict(int4), head_weight, head_int8
+    split, rank = tp.split, tp.rank
+    head_where = shard_range(head_name, arch, split, rank)
+    return (
+        local_arch(arch, split, rank),
+        {n: shard_tensor(w, shard_range(n, arch, split, rank)) for n, w in weights.items()},
+        {n: shard_int4(g, shard_range(n, arch, split, rank)) for n, g in int4.items()},
+        None if head_weight is None else shard_tensor(head_weight, head_where),
+        None if head_int8 is None else shard_int8_rows(head_int8, head_where),
+    )

@@ -1,0 +1,64 @@
+"""A tensor-parallel worker process (ranks 1..N-1): build this rank's shard, then run rank 0's plans.
+
+It never schedules, samples or serves HTTP: it runs each step's forward as rank 0 sent it, joining
+the step's collectives. It ignores SIGINT / SIGTERM (rank 0 drains and then stops it) and exits
+when rank 0 says stop or its plan pipe closes (rank 0 is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from tailserve.config import CacheConfig, ModelConfig
+from tailserve.model.runner import ModelRunner, chunks_from_plan
+
+log = logging.getLogger(__name__)
+
+
+def main(
+    rank: int,
+    size: int,
+    port: int,
+    plan_pipe: Connection,
+    mc: ModelConfig,
+    cc: CacheConfig,
+    weight_format: str,
+) -> None:
+    """Process entry point (spawned by `parallel.start_group`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tp-rank{rank}/{size} %(levelname)s %(name)s: %(message)s"
+    )
+    from tailserve.model.builder import build_worker_runner
+
+    runner = build_worker_runner(mc, cc, weight_format, rank, port).runner
+    try:
+        serve(runner, plan_pipe)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        sys.exit(1)
+    finally:
+        if runner.tp is not None:
+            runner.tp.close()
+
+
+def serve(runner: ModelRunner, plan_pipe: Connection) -> None:
+    """Run every plan rank 0 sends until it says stop or goes away."""
+    while True:
+        try:
+            message = plan_pipe.recv()
+        except EOFError:
+            log.info("rank 0 closed the plan pipe; exiting")
+            return
+        kind = message[0]
+        if kind == "stop":
+            return
+        chunks = chunks_from_plan(message[1])
+        if kind == "step":
+            runner.execute_eager(chunks)
+        else:
+            runner.logits_for(chunks)

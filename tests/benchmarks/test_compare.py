@@ -1,0 +1,258 @@
+"""benchmarks/compare's pure logic: percentile intervals, sizing, the capacity search, the rate points
+a time budget allows, a run's analysis (fates, goodput, slowdown), verdicts from intervals, and the
+checkpoints a rerun resumes from. No server is started.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from compare import plan, report, stats  # noqa: E402
+from compare.analyze import Calibration, Slo, analyze, calibration_from, fate, passes, windows  # noqa: E402
+from compare.run import Context, measure, run_point  # noqa: E402
+from compare.store import Store  # noqa: E402
+
+SLO = Slo(ttft_s=2.0, tpot_s=0.1)
+
+
+def row(
+    i: int, ttft: float | None = 0.5, tpot: float | None = 0.05, status: int = 200, **extra: Any
+) -> dict[str, Any]:
+    ok = status == 200 and extra.get("error_kind") is None
+    return {
+        "index": i, "phase": "measured", "ok": ok, "http_status": status, "error_kind": extra.get("error_kind"),
+        "sent_s": extra.get("sent_s", float(i)), "done_s": extra.get("done_s", float(i) + 3.0),
+        "ttft_s": ttft if ok else None, "tpot_s": tpot if ok else None, "e2e_s": 3.0 if ok else None,
+        "input_tokens": extra.get("input_tokens", 100), "cached_tokens": 0,
+    }  # fmt: skip
+
+
+# ----- intervals ----------------------------------------------------------------------------------
+def test_median_interval_ranks_match_the_published_table() -> None:
+    # n = 100: the 95% interval of the median is x(40)..x(61) (binomial order statistics).
+    assert stats.order_stat_ranks(100, 0.5) == (40, 61)
+
+
+@pytest.mark.parametrize("n", [50, 368, 500, 1000, 2000])
+def test_p99_interval_covers_at_least_95_percent(n: int) -> None:
+    low, high = stats.order_stat_ranks(n, 0.99)
+    cdf = stats._binom_cdfs(n, 0.99)
+    below_high = 1.0 if high is None else cdf[high - 1]  # P(B <= u - 1)
+    below_low = 0.0 if low is None else cdf[low - 1]  # P(B <= l - 1)
+    assert below_high - below_low >= 0.95
+
+
+def test_p99_needs_368_values_for_an_upper_end() -> None:
+    assert stats.min_count_bounded(0.99) == 368
+    assert stats.order_stat_ranks(367, 0.99)[1] is None
+    assert stats.order_stat_ranks(368, 0.99)[1] == 368  # the maximum
+    # 300 requests (the issue's minimum per point): P99 open above, so no conservative verdict.
+    interval = stats.quantile_interval([float(v) for v in range(300)], 0.99)
+    assert interval.value == 296.0 and interval.high is None
+
+
+def test_p99_of_known_values() -> None:
+    interval = stats.quantile_interval([float(v) for v in range(1, 1001)], 0.99)
+    assert (interval.value, interval.low, interval.high) == (990.0, 983.0, 997.0)
+
+
+def test_wilson_interval() -> None:
+    interval = stats.wilson(8, 10)
+    assert interval.value == 0.8
+    assert interval.low == pytest.approx(0.490, abs=1e-3) and interval.high == pytest.approx(0.943, abs=1e-3)
+
+
+def test_verdicts_from_intervals() -> None:
+    inside, straddles, outside = (
+        stats.Interval(1.0, 0.9, 1.2, 400),
+        stats.Interval(1.4, 1.3, 1.7, 400),
+        stats.Interval(2, 1.8, 2.2, 400),
+    )
+    assert [stats.at_most(i, 1.5) for i in (inside, straddles, outside)] == [
+        stats.MET,
+        stats.NOT_ENOUGH,
+        stats.MISSED,
+    ]
+    open_above = stats.Interval(1.0, 0.9, None, 300)
+    assert stats.at_most(open_above, 1.5) == stats.NOT_ENOUGH  # an open end never passes
+    assert stats.at_least(outside, 1.5) == stats.MET and stats.at_least(inside, 1.5) == stats.MISSED
+    overlapping = stats.Interval(1.1, 1.0, 1.35, 400)
+    assert stats.compare(inside, outside) == "lower" and stats.compare(outside, inside) == "higher"
+    assert stats.compare(overlapping, inside) == stats.NOT_ENOUGH
+
+
+# ----- sizing and the search ----------------------------------------------------------------------
+def test_full_sizes_meet_the_minimums_and_bound_the_p99() -> None:
+    sizes = plan.full_sizes()
+    assert sizes.point_requests >= 300 and sizes.probe_requests >= 200
+    for n in (sizes.point_requests, sizes.probe_requests):
+        assert stats.order_stat_ranks(n, 0.99)[1] is not None
+    assert plan.full_sizes(min_point=1000).point_requests == 1000
+    # Duration follows from the rate: 388 requests at 0.5 req/s take 776 s of sending.
+    assert plan.expected_s(388, 0.5) == 776.0
+
+
+def test_capacity_search_ramps_then_bisects_then_stops() -> None:
+    probes: list[tuple[float, bool]] = []
+    truth = 1.3  # rates up to this pass
+
+    def step() -> float | None:
+        return plan.next_probe(probes, start=0.25, growth=2.0, tolerance=0.1, max_probes=10, rate_max=20)
+
+    while (rate := step()) is not None:
+        probes.append((rate, rate <= truth))
+    assert [r for r, _ in probes][:4] == [0.25, 0.5, 1.0, 2.0]  # the ramp
+    best, above = plan.capacity_bracket(probes)
+    assert best <= truth < above and (above - best) / best <= 0.1
+
+
+def test_capacity_search_steps_down_when_the_start_fails_and_gives_up() -> None:
+    probes = [(1.0, False), (0.5, False), (0.25, False), (0.125, False)]
+    assert plan.next_probe(probes[:1], 1.0, 2.0, 0.1, 10, 20) == 0.5
+    assert plan.next_probe(probes, 1.0, 2.0, 0.1, 10, 20) is None
+    assert plan.capacity_bracket(probes) == (0.0, 0.125)
+
+
+def test_slow_server_gets_fewer_points_never_fewer_requests() -> None:
+    sizes = plan.Sizes(368, 368, 20, 3, budget_s=3600)
+    fast, fast_dropped = plan.rate_points(4.0, 2.4, sizes, drain_s=5, spent_s=600)
+    slow, slow_dropped = plan.rate_points(0.1, 3.2, sizes, drain_s=5, spent_s=600)
+    assert [p.name for p in fast] == [
+        "at-0.8x",
+        "over-2x",
+        "over-1.5x",
+        "reference",
+        "at-0.5x",
+    ] and not fast_dropped
+    # At 0.08 req/s one point takes ~80 min: it still runs (always the first), the rest are recorded as left out.
+    assert [p.name for p in slow] == ["at-0.8x"]
+    assert {p.name for p, _ in slow_dropped} == {"over-2x", "over-1.5x", "reference", "at-0.5x"}
+    assert all(seconds > 0 for _, seconds in slow_dropped)
+    same, _ = plan.rate_points(4.0, 3.2, sizes, 5, 0)  # the reference rate equal to 80%: run once
+    assert len({p.rate for p in same}) == len(same)
+
+
+# ----- one run's analysis -------------------------------------------------------------------------
+def test_fates_of_requests() -> None:
+    assert fate(row(0), SLO) == "met"
+    assert fate(row(1, ttft=3.0), SLO) == "slow_miss"
+    assert fate(row(2, tpot=0.2), SLO) == "slow_miss"
+    assert fate(row(3, status=429, done_s=3.05), SLO) == "fast_429"
+    assert fate(row(4, status=429, done_s=9.0), SLO) == "slow_miss"  # refused, but only after 5 s
+    assert fate(row(5, status=0, error_kind="timeout"), SLO) == "slow_miss"
+    assert fate(row(6, status=500, error_kind="server_error"), SLO) == "error"
+
+
+def test_analysis_goodput_slowdown_and_probe_verdict() -> None:
+    rows = [row(i, ttft=0.5 + 0.001 * i, input_tokens=100) for i in range(380)]
+    rows += [row(380 + i, status=429, done_s=380.0 + i + 0.01) for i in range(20)]
+    cal = Calibration(intercept_s=0.05, per_token_s=0.0025, idle_tpot_s=0.04)  # 100 tokens: 0.3 s idle
+    figures = analyze(rows, {"throughput": {"duration_s": 400.0}}, SLO, cal)
+    assert figures["fates"] == {"met": 380, "fast_429": 20, "slow_miss": 0, "error": 0}
+    assert figures["goodput_per_s"]["value"] == pytest.approx(380 / 400)
+    assert figures["goodput_per_s"]["low"] < 0.95 < figures["goodput_per_s"]["high"]
+    slowdown = figures["metrics"]["slowdown"]["p99"]
+    assert slowdown["value"] == pytest.approx((0.5 + 0.001 * 376) / 0.3)  # rank ceil(0.99 * 380) = 377
+    assert figures["metrics"]["queue_delay_s"]["p50"]["value"] == pytest.approx(0.5 + 0.001 * 189 - 0.3)
+    ok, reason = passes(figures, SLO)
+    assert not ok and "error rate 5.0%" in reason  # 429s count as errors
+    few = analyze(rows[:300], {"throughput": {"duration_s": 300.0}}, SLO, cal)
+    ok, reason = passes(few, SLO)
+    assert not ok and "unbounded" in reason  # 300 requests cannot bound a P99
+    ok, _ = passes(analyze(rows[:380], {"throughput": {"duration_s": 380.0}}, SLO, cal), SLO)
+    assert ok
+
+
+def test_calibration_line_and_windows() -> None:
+    rows = [row(i, ttft=0.1 + 0.002 * n, input_tokens=n) for i, n in enumerate((64, 512, 1024, 1650))]
+    cal = calibration_from(rows)
+    assert cal.intercept_s == pytest.approx(0.1) and cal.per_token_s == pytest.approx(0.002)
+    assert cal.isolated_ttft_s(1000) == pytest.approx(2.1)
+    spread = [row(i, sent_s=i * 0.5) for i in range(40)]
+    rows_by_window = windows(spread, 5.0)
+    assert [w["sent"] for w in rows_by_window] == [10, 10, 10, 10]
+    assert rows_by_window[0]["ttft_p99"]["high"] is None  # 10 requests: the P99 is open above
+
+
+# ----- checkpoints and resume ---------------------------------------------------------------------
+def test_store_saves_atomically_and_lists_points_in_order(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for name in ("probe-02", "probe-01", "at-0.8x"):
+        store.save({"name": name}, "ts-slo", "longtail", name)
+    assert [p["name"] for p in store.points("ts-slo", "longtail", "probe-")] == ["probe-01", "probe-02"]
+    assert store.has("ts-slo", "longtail", "at-0.8x") and not list(tmp_path.rglob("*.tmp"))
+    store.log("hello")
+    assert "hello" in (tmp_path / "progress.log").read_text()
+
+
+def test_a_saved_point_is_not_run_again(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    saved = {"name": "at-0.8x", "rate": 1.0, "passed": True}
+    store.save(saved, "ts-slo", "longtail", "at-0.8x")
+    ctx = Context(store, plan.QUICK, 0, None, tmp_path)  # type: ignore[arg-type]
+
+    class Spec:  # only its key is read on the resume path; a bench run would need much more
+        key = "ts-slo"
+
+    got = run_point(
+        ctx, Spec(), "http://127.0.0.1:9", plan.LONGTAIL, SLO, Calibration(0, 0, 0), "at-0.8x", 1.0, 10, ""
+    )  # type: ignore[arg-type]
+    assert got == saved
+
+
+def test_a_finished_server_is_not_started_again(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.save({"intercept_s": 0.1, "per_token_s": 0.001, "idle_tpot_s": 0.05, "points": [], "idle_ttft_longest_s": 1.7},
+               "vllm", "longtail", "calibration")  # fmt: skip
+    store.save({"capacity": 0.75, "complete": True}, "vllm", "longtail", "points")
+    ctx = Context(store, plan.QUICK, 0, None, tmp_path)  # type: ignore[arg-type]
+    assert measure(ctx, "vllm", plan.LONGTAIL, SLO, None, 20.0) == 0.75
+
+
+# ----- verdicts in the report ---------------------------------------------------------------------
+def point(
+    rate: float, queue: tuple[float, float, float], goodput: tuple[float, float, float], passed: bool = True
+) -> dict[str, Any]:
+    def iv(t: tuple[float, float, float]) -> dict[str, Any]:
+        return {"value": t[0], "low": t[1], "high": t[2], "count": 400}
+
+    metrics = {"queue_delay_s": {"p99": iv(queue)}, "tpot_s": {"p99_over_mean": iv((1.2, 1.1, 1.3))},
+               "slowdown": {"p99_over_mean": iv((1.9, 1.7, 2.4))}}  # fmt: skip
+    figures = {"metrics": metrics, "goodput_per_s": iv(goodput), "measured": 400,
+               "fates": {"met": 300, "fast_429": 90, "slow_miss": 10, "error": 0}}  # fmt: skip
+    return {"rate": rate, "passed": passed, "figures": figures, "fail_reason": ""}
+
+
+def test_report_targets_from_intervals(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for key, cap, above in (("ts-slo", 2.0, 2.2), ("ts-fcfs", 1.0, 1.2), ("llamacpp", 1.0, 1.1)):
+        store.save(
+            {"intercept_s": 0, "per_token_s": 0, "idle_tpot_s": 0, "points": []},
+            key,
+            "longtail",
+            "calibration",
+        )
+        store.save(
+            {"capacity": cap, "capacity_bracket": [cap, above], "complete": True}, key, "longtail", "points"
+        )
+        store.save(point(cap, (1, 1, 1), (cap, cap * 0.9, cap * 1.1)), key, "longtail", "probe-01")
+    store.save(point(1.6, (0.5, 0.4, 0.6), (1.5, 1.4, 1.6)), "ts-slo", "longtail", "at-0.8x")
+    store.save(point(1.6, (3.0, 2.0, 4.0), (1.0, 0.9, 1.1)), "ts-fcfs", "longtail", "reference")
+    store.save(point(4.0, (9, 8, 10), (1.9, 1.8, 2.0)), "ts-slo", "longtail", "over-2x")
+    lines = report.targets(store, "longtail")
+    text = "\n".join(lines)
+    # capacity 2.0 vs the best peer 1.0 (next failing 1.1): 2.0 / 1.1 = 1.82x >= 1.5 at worst.
+    assert "capacity under the SLO" in lines[0] and "**MET**" in lines[0]
+    assert "**MET**" in lines[1] and "TPOT" in lines[1]  # 1.3 <= 1.5
+    assert "**not enough data**" in lines[2] and "slowdown" in lines[2]  # 1.7..2.4 straddles 2.0
+    assert "**MET**" in lines[3] and "queue delay" in lines[3]  # 0.6 <= 0.5 x 2.0
+    # goodput at 2x 1.8..2.0 vs at capacity 1.8..2.2: 1.8 >= 0.8 x 2.2 = 1.76.
+    assert "**MET**" in lines[4] and "2x capacity" in lines[4]
+    assert math.isfinite(len(text))
