@@ -84,11 +84,15 @@ def test_sigterm_drains_every_rank() -> None:
         )
         events = iter(stream)
         first = next(events)
+        metrics = httpx.get(f"{server.base}/metrics").text
         server.proc.send_signal(signal.SIGTERM)
         rest = list(events)
         text = first.choices[0].text + "".join(e.choices[0].text for e in rest if e.choices)
         finish = [e.choices[0].finish_reason for e in rest if e.choices and e.choices[0].finish_reason]
         assert finish == ["length"] and len(text) > 0
+        for name in ("tailserve_tp_allreduce_seconds", "tailserve_tp_compute_seconds"):
+            counts = re.findall(rf'^{name}_count{{kind="\w+"}} (\S+)$', metrics, re.M)
+            assert sum(float(c) for c in counts) >= 1, name
         assert server.proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 30
         while alive(pid) and time.monotonic() < deadline:

@@ -164,6 +164,8 @@ class LLMEngine:
             outputs.append(self.outputs.output(req, [token], finished=reason is not None))
         kind = step_kind(plan.num_decodes, len(plan.scheduled))
         self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
+        if self.runner.tp is not None:
+            self.step_stats.record_tensor_parallel(kind, self.runner.last_comm_s, self.runner.last_compute_s)
         return outputs
 
     def _fill_grammar_masks(self, plan: StepPlan, chunks: list[SeqChunk]) -> None:

@@ -135,6 +135,9 @@ class StepSnapshot:
     busy: BusySnapshot = field(default_factory=BusySnapshot)
     graph_steps: int = 0  # ModelRunner.num_graph_steps: decode-only steps replayed from a CUDA graph
     eager_steps: int = 0  # ModelRunner.num_eager_steps
+    # Tensor parallelism only: rank 0's seconds per step in collectives vs the rest of the forward.
+    allreduce_s: tuple[BucketCounts, ...] = (_EMPTY_DURATIONS,) * len(STEP_KINDS)
+    compute_s: tuple[BucketCounts, ...] = (_EMPTY_DURATIONS,) * len(STEP_KINDS)
 
     def minus(self, earlier: StepSnapshot) -> StepSnapshot:
         """The counters since `earlier` (the busy window is a gauge and stays as it is)."""
@@ -145,6 +148,8 @@ class StepSnapshot:
             self.busy,
             self.graph_steps - earlier.graph_steps,
             self.eager_steps - earlier.eager_steps,
+            tuple(a.minus(b) for a, b in zip(self.allreduce_s, earlier.allreduce_s, strict=True)),
+            tuple(a.minus(b) for a, b in zip(self.compute_s, earlier.compute_s, strict=True)),
         )
 
 
@@ -156,12 +161,19 @@ class StepStats:
         self._tokens = {kind: _Buckets(TOKEN_BUCKETS) for kind in STEP_KINDS}
         self._busy = BusyWindow(now)
         self._busy_s_total = 0.0
+        self._allreduce = {kind: _Buckets(LATENCY_BUCKETS_S) for kind in STEP_KINDS}
+        self._compute = {kind: _Buckets(LATENCY_BUCKETS_S) for kind in STEP_KINDS}
 
     def record(self, kind: str, num_tokens: int, start: float, end: float) -> None:
         self._duration[kind].observe(end - start)
         self._tokens[kind].observe(num_tokens)
         self._busy_s_total += end - start
         self._busy.add(start, end)
+
+    def record_tensor_parallel(self, kind: str, allreduce_s: float, compute_s: float) -> None:
+        """A tensor-parallel step's forward split into time in collectives and the rest (rank 0)."""
+        self._allreduce[kind].observe(allreduce_s)
+        self._compute[kind].observe(compute_s)
 
     def snapshot(self, graph_steps: int, eager_steps: int) -> StepSnapshot:
         return StepSnapshot(
@@ -171,6 +183,8 @@ class StepStats:
             self._busy.snapshot(),
             graph_steps,
             eager_steps,
+            tuple(self._allreduce[k].snapshot() for k in STEP_KINDS),
+            tuple(self._compute[k].snapshot() for k in STEP_KINDS),
         )
 
 

@@ -147,6 +147,18 @@ class _EngineCollector:
                 "Share of wall time the engine spent in steps over the last minute (0..1).",
                 steps.busy.ratio(time.monotonic()) if steps else 0.0,
             ),
+            _histogram(
+                "tailserve_tp_allreduce_seconds",
+                "Tensor parallelism: rank 0's time per step in collectives (all-reduce, logits gather), by kind.",
+                LATENCY_BUCKETS_S,
+                steps.allreduce_s if steps else None,
+            ),
+            _histogram(
+                "tailserve_tp_compute_seconds",
+                "Tensor parallelism: rank 0's forward time per step outside collectives, by kind.",
+                LATENCY_BUCKETS_S,
+                steps.compute_s if steps else None,
+            ),
             step_paths,
         ]
 
