@@ -288,9 +288,11 @@ async def run_once(
     tokenizer: PromptTokenizer,
     source: PromptSource,
     calibration: Calibration | None = None,
+    calibrate_now: bool = True,
 ) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """One complete run: calibrate (unless given), schedule, send, measure, build the result document."""
-    if calibration is None:
+    """One complete run: calibrate (unless given, or `calibrate_now` is off), schedule, send, measure,
+    build the result document."""
+    if calibration is None and calibrate_now:
         calibration = await run_calibration(settings, tokenizer, source)
     loop = make_load_loop(settings, tokenizer, source)
     sampler = ServerSampler(settings.target, _warmup_end_s(settings, loop))
@@ -374,7 +376,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     async def probe(rate: float) -> CapacityPoint:
         settings = replace(base, arrival=ArrivalSpec(kind="poisson", rate_per_s=rate), control=probe_control)
         print(f"capacity: probing {rate:.3g} req/s ...", file=sys.stderr)
-        result, records = await run_once(settings, tokenizer, source, calibration)
+        result, records = await run_once(settings, tokenizer, source, calibration, calibrate_now=False)
         runs[rate] = (result, records)
         point = point_from_result(rate, result)
         print(f"capacity: {rate:.3g} req/s -> {'PASS' if point.passed else 'FAIL'}", file=sys.stderr)

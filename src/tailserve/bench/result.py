@@ -266,6 +266,15 @@ def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: Be
                 f"{name[:-2].upper()} P99 is {summary['p99_over_mean']:.1f}x its mean (well-run: <= 1.5x)"
             )
     out += _small_sample_warnings(result["metrics"])
+    calibration = result.get("calibration")
+    if calibration and calibration["failed"]:
+        total = calibration["failed"] + len(calibration["points"])
+        out.append(
+            f"calibration: {calibration['failed']} of {total} idle requests failed"
+            + ("; no slowdown or queue delay without a fit" if not calibration["fit"] else "")
+        )
+    elif settings.calibrate and not calibration:
+        out.append("calibration did not run (target unreachable): no slowdown or queue delay")
     for verdict in result["slo"]["verdicts"]:
         observed = verdict["observed"]
         if (
