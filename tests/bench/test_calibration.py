@@ -15,6 +15,7 @@ from tailserve.bench.app import run_once, settings_from_args
 from tailserve.bench.calibration import calibrate, calibration_lengths, fit_line
 from tailserve.bench.corpus import PromptSource
 from tailserve.bench.lengths import parse_length_dist
+from tailserve.bench.summary import format_summary
 from tailserve.bench.tokenizers import load_tokenizer
 from tailserve.cli import build_parser, main
 from tests.bench.conftest import FakeServerProcess, run_bench
@@ -144,6 +145,7 @@ def test_server_samples_from_metrics(fake_server: FakeServerProcess) -> None:
     assert samples["warmup_end"]["at_s"] >= 0.5
     assert samples["end"]["kv_blocks_used"] == 0 and samples["end"]["at_s"] > samples["warmup_end"]["at_s"]
     assert samples["rss_growth_after_warmup"] == pytest.approx(1 / 110)
+    assert "RSS 100.0 / 110.0 / 111.0 MiB, KV blocks in use 0 / 7 / 0" in format_summary(result)
 
 
 def test_no_metrics_endpoint_gives_null_samples(fake_server: FakeServerProcess) -> None:

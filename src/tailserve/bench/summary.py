@@ -113,6 +113,7 @@ def format_summary(result: dict[str, Any]) -> str:
     lines += _client_lines(result.get("client"))
     lines += _attribution_lines(result.get("attribution"))
     lines += _window_lines(result["windows"])
+    lines += _server_sample_lines(result.get("server_samples"))
     for warning in result.get("warnings", []):
         lines.append(f"! {warning}")
     return "\n".join(lines)
@@ -197,6 +198,26 @@ def _window_lines(windows: dict[str, Any]) -> list[str]:
         if windows.get(key) is not None:
             out.append(f"{'':26}highest window P99 {label} = {windows[key]:.2f}x the whole run's P99")
     return out
+
+
+def _server_sample_lines(samples: dict[str, Any] | None) -> list[str]:
+    """RSS and KV blocks in use at start / end of warm-up / end of run, from the server's /metrics."""
+    if not samples:
+        return []
+    taken = [samples.get(k) for k in ("start", "warmup_end", "end")]
+    if not any(taken):
+        return []
+
+    def row(key: str, scale: float, fmt: str) -> str:
+        return " / ".join("-" if not s or s[key] is None else format(s[key] * scale, fmt) for s in taken)
+
+    line = (
+        f"server /metrics (start / end of warm-up / end): RSS {row('rss_bytes', 2**-20, '.1f')} MiB, "
+        f"KV blocks in use {row('kv_blocks_used', 1.0, 'g')}"
+    )
+    if samples.get("rss_growth_after_warmup") is not None:
+        line += f"; RSS growth after warm-up {samples['rss_growth_after_warmup']:+.1%}"
+    return [line]
 
 
 def with_interval(value: float | None, ci: Sequence[float | None] | None, scale: float = 1.0) -> str:
