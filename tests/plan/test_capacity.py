@@ -108,9 +108,10 @@ def test_seventy_b_does_not_fit_one_a100_but_fits_four() -> None:
 
 
 def test_more_gpus_than_kv_heads_replicates_heads() -> None:
-    plan = make_plan(PlanRequest(preset("Qwen2.5-7B"), CATALOG.get("H100"), num_gpus=8))
-    assert plan.kv_bytes_per_token_per_gpu == 2 * 28 * 1 * 128 * 2  # 4 KV heads over 8 GPUs: one each
+    plan = make_plan(PlanRequest(preset("Llama-3.1-8B"), CATALOG.get("H100"), num_gpus=16))
+    assert plan.kv_bytes_per_token_per_gpu == 2 * 32 * 1 * 128 * 2  # 8 KV heads over 16 GPUs: one each
     assert any("replica" in note for note in plan.notes)
+    assert any("KV heads replicated: each KV head on 2 ranks" in note for note in plan.notes)
 
 
 def test_slo_verdict_and_largest_batch_within_it() -> None:

@@ -6,13 +6,20 @@ measurement. Every figure is a bound the real engine can only approach, never be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from tailserve.errors import ConfigError
 from tailserve.plan.catalog import GIB, GpuSpec
 from tailserve.plan.errors import PlanError
 from tailserve.plan.shapes import ModelShape, ParamCount, count_params
+from tailserve.plan.tensor_parallel import (
+    TensorParallelSplit,
+    allreduce_bytes_per_token,
+    tensor_parallel_split,
+)
 
 WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "int8")
@@ -22,6 +29,12 @@ UNQUANTIZED_BYTES = 2  # embeddings, lm_head, norms, biases and activations stay
 LOGIT_BYTES = 4  # logits are upcast to fp32 for sampling
 RUNTIME_RESERVE_BYTES = 1 * GIB  # CUDA context, cuBLAS workspace, CUDA graphs, allocator slack
 TPOT_SLO_S = 0.030
+# Tensor-parallel all-reduce: assumed link bandwidth per GPU and fixed cost per collective. PCIe 5
+# x16 is ~64 GB/s a direction; NVLink 4 ~450 (pass --interconnect-gb-s). A decode step's
+# all-reduces are small, so their count times the per-call latency often dominates.
+INTERCONNECT_GB_S = 64.0
+ALLREDUCE_LATENCY_S = 10e-6
+TP_COMM_SHARE_WARN = 0.20
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,7 @@ class PlanRequest:
     gpu_memory_utilization: float = 0.90
     token_budget: int = 2048  # tokens per engine step (sizes the activation peak)
     tpot_slo_s: float = TPOT_SLO_S
+    interconnect_gb_s: float = INTERCONNECT_GB_S  # per-GPU all-reduce bandwidth (tensor parallel)
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
@@ -51,6 +65,17 @@ class PlanRequest:
             raise PlanError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tpot_slo_s <= 0:
             raise PlanError(f"tpot_slo_s must be positive, got {self.tpot_slo_s}")
+        if self.interconnect_gb_s <= 0:
+            raise PlanError(f"interconnect_gb_s must be positive, got {self.interconnect_gb_s}")
+        _ = self.split  # the runtime's rule: a GPU count the server would refuse is refused here too
+
+    @property
+    def split(self) -> TensorParallelSplit:
+        """Heads and KV heads per GPU, by the rule `tailserve serve --tensor-parallel-size` uses."""
+        try:
+            return tensor_parallel_split(self.model.num_heads, self.model.num_kv_heads, self.num_gpus)
+        except ConfigError as exc:
+            raise PlanError(str(exc).replace("--tensor-parallel-size", "--gpus")) from None
 
     @property
     def kv_bytes_per_element(self) -> float:
@@ -108,6 +133,7 @@ class CapacityPlan:
     floor_batch1: StepFloor
     floor_at_concurrency: StepFloor
     notes: tuple[str, ...] = field(default_factory=tuple)
+    allreduce: AllReduceCost | None = None  # tensor parallel only
 
     @property
     def fits(self) -> bool:
@@ -151,8 +177,32 @@ def kv_bytes_per_token_hidden_formula(shape: ModelShape, bytes_per_element: floa
 
 
 def kv_heads_per_gpu(shape: ModelShape, num_gpus: int) -> int:
-    """KV heads each GPU holds; with more GPUs than KV heads, heads are replicated."""
-    return math.ceil(shape.num_kv_heads / num_gpus)
+    """KV heads each GPU holds (split, or one replicated per group): the runtime's own rule."""
+    return tensor_parallel_split(shape.num_heads, shape.num_kv_heads, num_gpus).kv_heads_per_rank
+
+
+@dataclass(frozen=True)
+class AllReduceCost:
+    """The all-reduces of one decode step at `batch` tokens: 2 per layer plus the embedding's."""
+
+    batch: int
+    collectives: int
+    bytes_per_gpu: int  # sent by each GPU (ring: 2 (N-1)/N of the tensor)
+    seconds: float  # bytes / interconnect + collectives x per-call latency
+    share: float  # seconds / (seconds + the step floor): the part of a step spent communicating
+    fits_one_gpu: bool  # the same request plan fits a single GPU
+
+
+def allreduce_cost(request: PlanRequest, floor: StepFloor, fits_one_gpu: bool) -> AllReduceCost:
+    """Communication of a tensor-parallel decode step against its floor (16-bit activations)."""
+    shape, n = request.model, request.num_gpus
+    per_token = allreduce_bytes_per_token(shape.num_layers, shape.hidden_size, n, UNQUANTIZED_BYTES)
+    collectives = 2 * shape.num_layers + 1
+    sent = per_token * floor.batch
+    seconds = sent / (request.interconnect_gb_s * 1e9) + collectives * ALLREDUCE_LATENCY_S
+    return AllReduceCost(
+        floor.batch, collectives, sent, seconds, seconds / (seconds + floor.step_s), fits_one_gpu
+    )
 
 
 def activation_bytes_per_gpu(request: PlanRequest) -> int:
@@ -225,10 +275,9 @@ def _notes(request: PlanRequest, max_concurrency: int) -> tuple[str, ...]:
         )
     if n > shape.num_kv_heads:
         notes.append(f"{n} GPUs > {shape.num_kv_heads} KV heads: each GPU keeps a replica of a KV head.")
-    elif shape.num_kv_heads % n:
-        notes.append(f"{shape.num_kv_heads} KV heads do not split evenly over {n} GPUs.")
     if n > 1:
-        notes.append("tensor parallel: the floor ignores all-reduce time; real steps are slower.")
+        notes.append(f"{request.split.describe()}.")
+        notes.append("tensor parallel: the floor ignores all-reduce time (see the all-reduce line).")
     if 0 < max_concurrency < request.concurrency:
         notes.append(
             f"only {max_concurrency} requests of {request.context_tokens} tokens fit in KV; the other "
@@ -249,6 +298,18 @@ def make_plan(request: PlanRequest) -> CapacityPlan:
     kv_pool = usable - weights_gpu - activations
     kv_tokens = max(kv_pool, 0) // kv_per_gpu
     max_conc = kv_tokens // request.context_tokens
+    floor_at_concurrency = step_floor(request, params, request.concurrency)
+    allreduce = None
+    notes = _notes(request, max_conc)
+    if n > 1:
+        fits_one = make_plan(dataclasses.replace(request, num_gpus=1)).fits
+        allreduce = allreduce_cost(request, floor_at_concurrency, fits_one)
+        if fits_one and allreduce.share > TP_COMM_SHARE_WARN:
+            notes += (
+                f"warning: the model fits one {request.gpu.name} and all-reduce would take "
+                f"~{allreduce.share:.0%} of a decode step at batch {allreduce.batch}: tensor parallelism "
+                f"is unlikely to pay; serve {n} replicas behind the router instead.",
+            )
     return CapacityPlan(
         request=request,
         params=params,
@@ -264,6 +325,7 @@ def make_plan(request: PlanRequest) -> CapacityPlan:
         max_concurrency=max_conc,
         max_batch_within_slo=max_batch_within_slo(request, params, max_conc),
         floor_batch1=step_floor(request, params, 1),
-        floor_at_concurrency=step_floor(request, params, request.concurrency),
-        notes=_notes(request, max_conc),
+        floor_at_concurrency=floor_at_concurrency,
+        notes=notes,
+        allreduce=allreduce,
     )

@@ -41,6 +41,12 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.90, help="share of memory used")
     parser.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step")
     parser.add_argument("--tpot-slo-ms", type=float, default=capacity.TPOT_SLO_S * 1e3, help="TPOT SLO")
+    parser.add_argument(
+        "--interconnect-gb-s",
+        type=float,
+        default=capacity.INTERCONNECT_GB_S,
+        help="per-GPU all-reduce bandwidth for --gpus > 1 (default: PCIe 5; NVLink 4 ~450)",
+    )
     parser.add_argument("--gpu-catalog", type=Path, help="JSON or TOML file adding / overriding GPUs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
     parser.set_defaults(func=run_plan)
@@ -77,6 +83,7 @@ def run_plan(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             token_budget=args.token_budget,
             tpot_slo_s=args.tpot_slo_ms / 1e3,
+            interconnect_gb_s=args.interconnect_gb_s,
         )
     except PlanError as exc:
         print(f"tailserve plan: error: {exc}", file=sys.stderr)

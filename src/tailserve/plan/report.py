@@ -5,6 +5,7 @@ Formatting only: every number comes from capacity.py, nothing is recomputed here
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tailserve.plan.capacity import CapacityPlan, StepFloor
@@ -105,6 +106,12 @@ def render_text(plan: CapacityPlan) -> str:
         _floor_line(plan.floor_at_concurrency),
         f"verdict      {verdict(plan)}",
     ]
+    if (ar := plan.allreduce) is not None:
+        lines.insert(
+            -1,
+            f"all-reduce   {ar.collectives} per decode step, {mb(ar.bytes_per_gpu)} sent per GPU at batch {ar.batch}: "
+            f"~{ar.seconds * 1e3:.3f} ms over {req.interconnect_gb_s:g} GB/s = {ar.share:.0%} of the step",
+        )
     lines += [f"note         {note}" for note in plan.notes]
     return "\n".join(lines)
 
@@ -160,4 +167,5 @@ def to_json_dict(plan: CapacityPlan) -> dict[str, Any]:
         "floor_at_concurrency": _floor_dict(plan.floor_at_concurrency),
         "verdict": verdict(plan),
         "notes": list(plan.notes),
+        "allreduce": None if plan.allreduce is None else dataclasses.asdict(plan.allreduce),
     }
