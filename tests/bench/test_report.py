@@ -11,7 +11,13 @@ import pytest
 
 from tailserve.bench.arrivals import ArrivalSpec
 from tailserve.bench.calibration import Calibration, fit_line
-from tailserve.bench.capacity_search import CapacityPoint, CapacitySearch, capacity_section, find_capacity
+from tailserve.bench.capacity_search import (
+    CapacityPoint,
+    CapacitySearch,
+    capacity_section,
+    find_capacity,
+    point_from_result,
+)
 from tailserve.bench.client import TargetConfig
 from tailserve.bench.html_report import cdf_points, render_html
 from tailserve.bench.load_loop import ClientHealth, RunControl, RunOutcome
@@ -80,6 +86,17 @@ def test_slo_verdicts_carry_the_p99_interval() -> None:
     ttft = next(v for v in many["slo"]["verdicts"] if v["name"] == "p99_ttft_s")
     assert ttft["observed_ci"] == [1.5, 1.5] and ttft["passed_upper"] is True
     assert not any("their maximum" in w for w in many["warnings"])
+
+
+def test_conservative_capacity_needs_the_upper_ends_within_the_slos() -> None:
+    few, _ = constructed_result()  # P99s pass, but 275 requests give them no upper end
+    many, _ = constructed_result(n=1000)
+    assert point_from_result(5.0, few).passed and not point_from_result(5.0, few, conservative=True).passed
+    point = point_from_result(5.0, many, conservative=True)
+    assert point.passed and point.passed_upper and point.ttft_p99_ci == (1.5, 1.5)
+    section = capacity_section(5.0, [point], None, {}, conservative=True)
+    assert section["definition"] == "p99 interval upper ends within the SLOs"
+    assert "(a pass: p99 interval upper ends within the SLOs)" in format_capacity(section)
 
 
 def test_cdf_points_keep_the_tail() -> None:

@@ -378,7 +378,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         print(f"capacity: probing {rate:.3g} req/s ...", file=sys.stderr)
         result, records = await run_once(settings, tokenizer, source, calibration, calibrate_now=False)
         runs[rate] = (result, records)
-        point = point_from_result(rate, result)
+        point = point_from_result(rate, result, args.conservative)
         print(f"capacity: {rate:.3g} req/s -> {'PASS' if point.passed else 'FAIL'}", file=sys.stderr)
         return point
 
@@ -387,7 +387,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     lines = {k: v for k, v in (("TTFT", slo.ttft_p99_s), ("E2E", slo.e2e_p99_s)) if v is not None}
     shown_rate = best if best is not None else points[-1].rate_per_s
     result, records = runs[shown_rate]
-    result = dict(result, kind="capacity", capacity=capacity_section(best, points, note, lines))
+    section = capacity_section(best, points, note, lines, args.conservative)
+    result = dict(result, kind="capacity", capacity=section)
     print(format_capacity(result["capacity"]))
     if note:
         print(f"note: {note}")

@@ -48,10 +48,15 @@ class CapacityPoint:
     passed: bool
     client_bottleneck: bool
     status: str
+    ttft_p99_ci: tuple[float | None, float | None] = (None, None)
+    tpot_p99_ci: tuple[float | None, float | None] = (None, None)
+    e2e_p99_ci: tuple[float | None, float | None] = (None, None)
+    passed_upper: bool = False
 
 
-def point_from_result(rate: float, result: dict[str, Any]) -> CapacityPoint:
-    """Read a probe's result document into a curve point."""
+def point_from_result(rate: float, result: dict[str, Any], conservative: bool = False) -> CapacityPoint:
+    """Read a probe's result document into a curve point. `passed_upper`: every latency SLO is met by
+    its P99 interval's upper end (false when an interval has none); `conservative` makes that the pass."""
     metrics = result["metrics"]
     client = result.get("client") or {}
     measured = result["counts"]["measured"]
@@ -59,6 +64,15 @@ def point_from_result(rate: float, result: dict[str, Any]) -> CapacityPoint:
     def p99(key: str) -> float | None:
         summary = metrics.get(key)
         return summary["p99"] if summary else None
+
+    def ci(key: str) -> tuple[float | None, float | None]:
+        bounds = (metrics.get(key) or {}).get("p99_ci") or (None, None)
+        return bounds[0], bounds[1]
+
+    passed = bool(result["slo"]["all_pass"]) and result["status"] == "complete"
+    upper = passed and all(
+        v.get("passed_upper") is True for v in result["slo"]["verdicts"] if "passed_upper" in v
+    )
 
     return CapacityPoint(
         rate_per_s=rate,
@@ -68,9 +82,13 @@ def point_from_result(rate: float, result: dict[str, Any]) -> CapacityPoint:
         e2e_p99_s=p99("e2e_s"),
         goodput_per_s=result["slo"]["goodput_per_s"],
         error_rate=result["counts"]["failed"] / measured if measured else None,
-        passed=bool(result["slo"]["all_pass"]) and result["status"] == "complete",
+        passed=upper if conservative else passed,
         client_bottleneck=bool(client.get("bottleneck")),
         status=result["status"],
+        ttft_p99_ci=ci("ttft_s"),
+        tpot_p99_ci=ci("tpot_s"),
+        e2e_p99_ci=ci("e2e_s"),
+        passed_upper=upper,
     )
 
 
@@ -130,7 +148,11 @@ async def find_capacity(
 
 
 def capacity_section(
-    best: float | None, points: list[CapacityPoint], note: str | None, slo_lines: dict[str, float]
+    best: float | None,
+    points: list[CapacityPoint],
+    note: str | None,
+    slo_lines: dict[str, float],
+    conservative: bool = False,
 ) -> dict[str, Any]:
     """The `capacity` object of a result document."""
     return {
@@ -138,4 +160,5 @@ def capacity_section(
         "points": [asdict(p) for p in points],
         "stopped_early": note,
         "slo_lines": slo_lines,
+        "definition": "p99 interval upper ends within the SLOs" if conservative else "p99 within the SLOs",
     }

@@ -152,3 +152,8 @@ def _capacity_args(g: argparse._ArgumentGroup) -> None:
         "--tolerance", type=float, default=0.05, help="capacity: bisection stops at this relative gap"
     )
     g.add_argument("--probe-duration", type=float, default=60.0, help="capacity: seconds per probe run")
+    g.add_argument(
+        "--conservative",
+        action="store_true",
+        help="capacity: a probe passes only when the upper ends of its P99 intervals meet the SLOs",
+    )

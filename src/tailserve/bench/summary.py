@@ -257,10 +257,13 @@ def format_capacity(capacity: dict[str, Any]) -> str:
             f"{tpot:>9} {fmt_num(p['e2e_p99_s']):>8} {fmt_num(p['goodput_per_s']):>8} "
             f"{fmt_num(p['error_rate']):>7}  {'PASS' if p['passed'] else 'FAIL'}"
             + ("  (client bottleneck)" if p.get("client_bottleneck") else "")
+            + (f"  TTFT p99 interval {fmt_interval(p['ttft_p99_ci'])}" if p.get("ttft_p99_ci") else "")
         )
     best = capacity["max_rate_per_s"]
+    definition = capacity.get("definition") or "p99 within the SLOs"
     lines.append(
         "highest rate meeting every SLO: "
         + (f"{best:.2f} req/s" if best is not None else "none (even the lowest failed)")
+        + f" (a pass: {definition})"
     )
     return "\n".join(lines)
