@@ -196,7 +196,8 @@ def passes(figures: dict[str, Any], slo: Slo, conservative: bool = True) -> tupl
         if p99.high is None:
             reasons.append(f"P99 {name} unbounded (too few requests)")
         elif p99.high > target:
-            reasons.append(f"P99 {name} upper end {p99.high:.3g} > {target:g}")
+            end = "upper end " if conservative else ""
+            reasons.append(f"P99 {name} {end}{p99.high:.3g} > {target:g}")
     rate = figures.get("error_rate")
     if rate is None or rate > slo.error_rate:
         reasons.append(f"error rate {rate if rate is None else f'{rate:.1%}'} > {slo.error_rate:.0%}")

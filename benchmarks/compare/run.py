@@ -392,19 +392,30 @@ def group_rss_bytes(pgid: int) -> int:
     return total
 
 
+KV_METRICS = (
+    "tailserve_kv_blocks_used",
+    "tailserve_kv_blocks_capacity",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "process_resident_memory_bytes",
+)
+
+
 def kv_in_use(url: str) -> dict[str, float]:
     """KV figures the server exports on /metrics (tailserve's blocks, vLLM's usage), else {}."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-            text = response.read().decode()
+            return prometheus_values(response.read().decode(), KV_METRICS)
     except OSError:
         return {}
-    wanted = ("tailserve_kv_blocks_used", "tailserve_kv_blocks_capacity", "vllm:kv_cache_usage_perc",
-              "vllm:gpu_cache_usage_perc", "process_resident_memory_bytes")  # fmt: skip
+
+
+def prometheus_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named samples of a Prometheus text page, summed over their labels."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted and not line.startswith("#"):
+        if name in names and not line.startswith("#"):
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return found
 

@@ -256,3 +256,50 @@ def test_report_targets_from_intervals(tmp_path: Path) -> None:
     # goodput at 2x 1.8..2.0 vs at capacity 1.8..2.2: 1.8 >= 0.8 x 2.2 = 1.76.
     assert "**MET**" in lines[4] and "2x capacity" in lines[4]
     assert math.isfinite(len(text))
+
+
+def test_soak_memory_and_kv_readings(tmp_path: Path) -> None:
+    import os
+
+    from compare.run import group_rss_bytes, prometheus_values
+
+    assert group_rss_bytes(os.getpgrp()) > 10 * 2**20  # this test process alone holds more than 10 MiB
+    page = '# HELP x\ntailserve_kv_blocks_used 0.0\nvllm:kv_cache_usage_perc{engine="0"} 0.25\nother 3\n'
+    assert prometheus_values(page, ("tailserve_kv_blocks_used", "vllm:kv_cache_usage_perc")) == {
+        "tailserve_kv_blocks_used": 0.0,
+        "vllm:kv_cache_usage_perc": 0.25,
+    }
+
+
+def test_report_renders_the_soak_verdicts(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.save({"ttft_s": 5.0, "tpot_s": 0.1, "error_rate": 0.01, "basis": "test"}, "slo-longtail")
+    rows = [row(i, ttft=1.0 + (i % 10) * 0.01, sent_s=i * 0.5) for i in range(1200)]
+    window_rows = windows(rows, 200.0)
+    figures = analyze(rows, {"throughput": {"duration_s": 600.0}}, SLO, None)
+    soak = {"name": "soak-10min", "rate": 2.0, "duration_s": 600.0, "window_s": 200.0, "figures": figures,
+            "windows": window_rows, "kv_after": {"tailserve_kv_blocks_used": 0.0}, "rss_steady": [100 * 2**20, 102 * 2**20],
+            "errors": {"by_kind": {}}}  # fmt: skip
+    store.save(soak, "ts-slo", "longtail", "soak-10min")
+    text, svgs = report.render(store)
+    assert "### Soak: tailserve (slo)" in text
+    assert "no window's P99 above 1.3x the whole run's: **MET**" in text  # every window's P99 is the same
+    assert "0 errors: **MET**" in text and "0 KV blocks in use after the run: **MET**" in text
+    assert "RSS growth < 5% after warm-up: **MET**" in text and "+2.0%" in text
+    assert {name for name, _ in svgs} >= {"soak-ts-slo-ttft.svg", "soak-ts-slo-tpot.svg"}
+    assert all(svg.startswith("<svg") for _, svg in svgs)
+
+
+def test_slo_is_set_from_the_fastest_calibration_and_frozen(tmp_path: Path) -> None:
+    from compare.cli import frozen_slo, parse_args
+
+    store = Store(tmp_path)
+    for key, idle in (("ts-slo", 2.0), ("vllm", 1.6), ("llamacpp", 9.0)):
+        store.save({"idle_ttft_longest_s": idle}, key, "longtail", "calibration")
+    args = parse_args([])
+    slo = frozen_slo(store, plan.LONGTAIL, ["ts-slo", "vllm", "llamacpp"], args)
+    assert slo is not None and slo.ttft_s == pytest.approx(2.4) and slo.tpot_s == pytest.approx(0.1)
+    assert "vllm" in slo.basis and "1650 tokens" in slo.basis
+    store.save({"idle_ttft_longest_s": 0.5}, "hf-cb", "longtail", "calibration")  # a server added later
+    again = frozen_slo(store, plan.LONGTAIL, ["ts-slo", "vllm", "llamacpp", "hf-cb"], args)
+    assert again == slo  # the saved SLO stands, so resumed points stay comparable
