@@ -165,6 +165,9 @@ class TensorParallel:
         self.vocab_start, self.vocab_stop = vocab_range(arch.vocab_size, split.size, rank)
         self.vocab_per_rank = -(-arch.vocab_size // split.size)
         self.comm_s = 0.0
+        # NCCL collectives are asynchronous: without a device sync around each, comm_s counts only
+        # their launch. Off by default (a sync per collective costs decode time); benchmarks set it.
+        self.sync_timing = False
         self.workers: list[BaseProcess] = []  # rank 0 only
         self.plan_pipes: list[Connection] = []  # rank 0 only: one per worker
         self.dead: str | None = None  # why the group cannot run another step
@@ -214,9 +217,13 @@ class TensorParallel:
     def _collective(self, op: Callable[[], object]) -> None:
         if self.dead is not None:
             raise TensorParallelError(self.dead)
+        if self.sync_timing:
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         try:
             op()
+            if self.sync_timing:
+                torch.cuda.synchronize(self.device)
         except Exception as exc:  # gloo / NCCL report a lost peer as RuntimeError or DistBackendError
             self.dead = self.dead or f"tensor-parallel collective failed: {exc}"
             raise TensorParallelError(self.dead) from exc
