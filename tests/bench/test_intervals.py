@@ -31,14 +31,24 @@ def coverage(n: int, q: float, lo: int | None, hi: int | None) -> float:
     return float(upper - lower)
 
 
-@pytest.mark.parametrize(("n", "q"), [(20, 50.0), (40, 90.0), (100, 50.0), (300, 99.0), (1000, 95.0)])
-def test_interval_reaches_the_level_and_no_shorter_one_does(n: int, q: float) -> None:
+@pytest.mark.parametrize(
+    ("n", "q"), [(20, 50.0), (40, 90.0), (100, 50.0), (368, 99.0), (1000, 95.0), (10**5, 99.0)]
+)
+def test_interval_is_equal_tailed_as_scipy_gives_it(n: int, q: float) -> None:
     lo, hi = order_stat_ranks(n, q, 0.95)
     assert lo is not None and hi is not None
     assert coverage(n, q, lo, hi) >= 0.95
-    # Shortest: no pair of ranks one narrower reaches 95%.
-    width = hi - lo
-    assert all(coverage(n, q, a, a + width - 1) < 0.95 for a in range(1, n - width + 2))
+    # Each tail holds at most 2.5%: l = binom.ppf(0.025), u = binom.ppf(0.975) + 1.
+    assert (lo, hi) == (int(sps.binom.ppf(0.025, n, q / 100)), int(sps.binom.ppf(0.975, n, q / 100)) + 1)
+
+
+def test_a_thin_upper_tail_is_closed_by_the_maximum() -> None:
+    # 300 values: no rank above the P99 leaves only 2.5% in the upper tail; the maximum closes the
+    # interval and the lower end takes the rest of the 5%.
+    lo, hi = order_stat_ranks(300, 99.0)
+    assert hi == 300 and lo is not None and coverage(300, 99.0, lo, hi) >= 0.95
+    assert order_stat_ranks(367, 99.0)[1] == 367 and order_stat_ranks(368, 99.0)[1] == 368
+    assert order_stat_ranks(1000, 99.0)[1] == 997  # plenty of values: below the maximum
 
 
 def test_p99_upper_end_exists_only_from_299_values_at_95() -> None:

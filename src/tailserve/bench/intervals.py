@@ -53,12 +53,14 @@ def _window(n: int, p: float) -> tuple[int, int]:
 
 
 def order_stat_ranks(n: int, q: float, level: float = DEFAULT_CI_LEVEL) -> tuple[int | None, int | None]:
-    """1-based ranks (l, u) of the shortest order-statistic interval covering the q-th percentile.
+    """1-based ranks (l, u) of the order-statistic interval covering the q-th percentile at `level`.
 
-    Coverage P(l <= B <= u - 1) >= level, B ~ Binomial(n, q/100); among the shortest (u - l) pairs,
-    the one whose two tail masses are closest. When no finite pair reaches the level, the better
-    one-sided bound: (l, None) meaning [x_(l), +inf) with P(B >= l) >= level, or (None, u) meaning
-    (-inf, x_(u)] with P(B <= u - 1) >= level, or (None, None).
+    Equal-tailed: l is the largest rank with P(B <= l - 1) <= alpha/2 and u the smallest with
+    P(B >= u) <= alpha/2, B ~ Binomial(n, q/100), so the coverage P(l <= B <= u - 1) >= level.
+    When one tail cannot be had (too few values: e.g. P99 of fewer than 368 at 95%), that end is the
+    extreme value (rank 1 or n) and the other end takes the rest of alpha. When no finite pair reaches
+    the level, the one-sided bound: (l, None) meaning [x_(l), +inf) with P(B >= l) >= level, or
+    (None, u) meaning (-inf, x_(u)] with P(B <= u - 1) >= level, or (None, None).
     """
     if n < 1 or not 0.0 < q < 100.0 or not 0.0 < level < 1.0:
         raise ValueError(f"need n >= 1, 0 < q < 100, 0 < level < 1 (got {n}, {q}, {level})")
@@ -76,26 +78,27 @@ def order_stat_ranks(n: int, q: float, level: float = DEFAULT_CI_LEVEL) -> tuple
             return 0.0
         return 1.0 if j > hi else cdf[j]
 
-    best: tuple[int, float, int, int] | None = None
-    u = 1
-    for l_rank in range(max(1, lo), min(n, hi + 1) + 1):
-        u = max(u, l_rank + 1)
-        while u <= n and below(u - 1) - below(l_rank - 1) < level:
-            u += 1
-        if u > n:
-            break
-        imbalance = abs(below(l_rank - 1) - (1.0 - below(u - 1)))
-        key = (u - l_rank, imbalance, l_rank, u)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    if best is not None:
-        return best[2], best[3]
-    # One-sided: the largest l with P(B >= l) >= level, or the smallest u with P(B <= u - 1) >= level.
-    lower = next((k for k in range(n, 0, -1) if 1.0 - below(k - 1) >= level), None)
-    if lower is not None:
-        return lower, None
-    upper = next((k for k in range(1, n + 1) if below(k - 1) >= level), None)
-    return None, upper
+    half = (1.0 - level) / 2.0
+    # Ranks outside the window behave like its edges (below() is flat there), so searching it suffices.
+    ranks = range(max(1, lo), min(n, hi + 2) + 1)
+    lower = next((k for k in reversed(ranks) if below(k - 1) <= half), None)
+    upper = next((k for k in ranks if 1.0 - below(k - 1) <= half), None)
+    if lower is not None and upper is not None:
+        return lower, upper
+    if upper is None and lower is not None:  # the upper tail is too thin: the maximum closes it
+        lower = next((k for k in reversed(ranks) if below(n - 1) - below(k - 1) >= level), None)
+        if lower is not None:
+            return lower, n
+    if lower is None and upper is not None:  # the lower tail is too thin: the minimum closes it
+        upper = next((k for k in ranks if below(k - 1) - below(0) >= level), None)
+        if upper is not None:
+            return 1, upper
+    if n > 1 and below(n - 1) - below(0) >= level:
+        return 1, n
+    one_sided_lower = next((k for k in reversed(ranks) if 1.0 - below(k - 1) >= level), None)
+    if one_sided_lower is not None:
+        return one_sided_lower, None
+    return None, next((k for k in ranks if below(k - 1) >= level), None)
 
 
 def percentile_interval(
