@@ -14,7 +14,7 @@ from compare import plots
 from compare.analyze import Calibration, interval, metric_values, read_rows
 from compare.plan import WORKLOADS
 from compare.run import OTHER_SERVERS, REFERENCE, SERVERS
-from compare.stats import MET, MISSED, NOT_ENOUGH, Interval, at_most
+from compare.stats import MET, MISSED, NOT_ENOUGH, Interval, at_most, compare
 from compare.store import Store
 
 ANALYSIS_HEADING = "## Analysis"  # from here on, --doc keeps the old document's text
@@ -163,6 +163,38 @@ def point_rows(store: Store, workload: str) -> list[str]:
     return lines
 
 
+def reference_table(store: Store, workload: str) -> list[str]:
+    """Every server at the same offered load (80% of tailserve (slo)'s capacity), each P99 against
+    tailserve (slo)'s: lower / higher only when the intervals are apart."""
+    ours = store.load(REFERENCE, workload, "at-0.8x")
+    if ours is None:
+        return ["(no reference rate yet: tailserve (slo) has no 80%-of-capacity point)"]
+    names = (("ttft_s", 1.0, "P99 TTFT s"), ("tpot_s", 1000.0, "P99 TPOT ms"), ("slowdown", 1.0, "P99 slowdown"),
+             ("queue_delay_s", 1.0, "P99 queue delay s"))  # fmt: skip
+    lines = [
+        f"At {ours['rate']:g} req/s for every server; beside each P99, how it compares with tailserve (slo)'s:",
+        "",
+        "| server | " + " | ".join(label for _, _, label in names) + " | goodput req/s | errors |",
+        "| --- |" + " ---: |" * (len(names) + 1) + " ---: |",
+    ]
+    for key in servers_in(store, workload):
+        p = ours if key == REFERENCE else store.load(key, workload, "reference")
+        if p is None:
+            continue
+        cells = []
+        for name, scale, _ in names:
+            mine = metric(p, name)
+            verdict = (
+                "" if key == REFERENCE else f" ({compare(interval(mine), interval(metric(ours, name)))})"
+            )
+            cells.append(ci(mine, scale, 0 if scale > 1 else 2) + verdict)
+        f = p["figures"]
+        lines.append(
+            f"| {LABELS[key]} | {' | '.join(cells)} | {ci(f['goodput_per_s'], digits=3)} | {f['failed']} of {f['measured']} |"
+        )
+    return lines
+
+
 def overload_table(store: Store, workload: str) -> list[str]:
     lines = [
         "| server | goodput at capacity | at 1.5x | at 2x | 2x / capacity | at 2x: fast 429 | slow miss | error |",
@@ -302,7 +334,9 @@ def soak_section(store: Store) -> tuple[list[str], list[tuple[str, str]]]:
                 f"| whole run | {doc['figures']['measured']} | {doc['figures']['failed']} | {ci(whole)} | {ci(whole_tpot, 1000, 0)} |"
             )
             kv = doc.get("kv_after") or {}
-            used = kv.get("tailserve_kv_blocks_used")
+            used = kv.get(
+                "tailserve_kv_blocks_used", kv.get("vllm:kv_cache_usage_perc")
+            )  # blocks, or vLLM's share
             rss = doc.get("rss_steady")
             growth = (rss[1] / rss[0] - 1) if rss and rss[0] else None
             errors = doc["figures"]["failed"]
@@ -459,6 +493,9 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
             "",
             "### Rate points",
             *point_rows(store, name),
+            "",
+            "### Same offered load for every server",
+            *reference_table(store, name),
             "",
             "### Overload",
             *overload_table(store, name),
