@@ -172,3 +172,35 @@ def test_interactive_requests_get_first_tokens_before_queued_batch_ones(smol: Lo
     assert not errors
     later = [b for b in ("b0", "b1", "b2", "b3") if first_token[b] > first_token["i"]]
     assert len(later) >= 3, first_token  # at most the one already mid-prefill got in first
+
+
+def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
+    """`tailserve serve --slo-classes FILE --prefill-floor --past-saving-share`; a bad file or share
+    is a ConfigError (the command prints it and exits 2)."""
+    from tailserve.cli import build_parser
+    from tailserve.server.cli import configs_from_args
+
+    path = tmp_path / "slo.json"
+    path.write_text(json.dumps(CLASSES))
+    flags = [
+        "serve",
+        "--slo-ttft",
+        "3",
+        "--slo-classes",
+        str(path),
+        "--prefill-floor",
+        "0",
+        "--past-saving-share",
+        "0.5",
+    ]
+    engine, server = configs_from_args(build_parser().parse_args(flags))
+    assert (engine.scheduler.prefill_floor, engine.scheduler.past_saving_share) == (0.0, 0.5)
+    assert server.slo_classes is not None
+    assert server.slo_classes.classes["interactive"].ttft_s == 3.0  # built-in: --slo-ttft
+    assert server.slo_classes.classes["batch"].ttft_s == 20.0  # the file's
+    assert server.slo_classes.api_keys["sk-batch"] == "batch"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="--slo-classes"):
+        configs_from_args(build_parser().parse_args(flags))
+    with pytest.raises(ConfigError, match="--past-saving-share"):
+        configs_from_args(build_parser().parse_args(["serve", "--past-saving-share", "0"]))
