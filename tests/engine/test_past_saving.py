@@ -147,3 +147,16 @@ def test_batch_backlog_is_not_ahead_of_an_interactive_newcomer() -> None:
         now = time.monotonic()
         waits[policy] = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now, ttft_s=2.0)
     assert waits["slo"] < 2.0 < waits["fcfs"]
+
+
+def test_under_a_batch_backlog_a_batch_newcomer_is_refused_an_interactive_one_admitted() -> None:
+    """12 queued batch prompts of 2000 tokens (20 s targets, none urgent yet): another such batch
+    prompt would wait for all of them (24 s > 20 s: a 429), an interactive one (2 s) for none."""
+    scheduler = _scheduler("slo", ttft_s=2.0)
+    run = _Run(scheduler)
+    for i in range(12):
+        run.add(f"batch{i}", 2000, ttft_s=20.0)
+    now = time.monotonic()
+    snapshot = scheduler.queue_snapshot(now)
+    assert scheduler.estimate_wait_s(2000, snapshot, now, ttft_s=20.0) > 20.0
+    assert scheduler.estimate_wait_s(200, snapshot, now, ttft_s=2.0) < 2.0
