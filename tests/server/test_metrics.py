@@ -57,3 +57,14 @@ def test_step_metrics_exclude_warmup_and_split_by_kind_and_path() -> None:
     assert m[("tailserve_steps_total", (("path", "cuda_graph"),))] == 2
     assert m[("tailserve_steps_total", (("path", "eager"),))] == 1
     assert 0.0 <= m[("tailserve_engine_busy_ratio", ())] <= 1.0
+
+
+def test_metrics_carry_the_process_rss_a_soak_reads() -> None:
+    """A soak's "RSS growth after warm-up" reads process_resident_memory_bytes from /metrics."""
+    metrics = ServerMetrics(lambda: _stats(StepStats(now=0.0), 0, 0), lambda: True)
+    m = _samples(metrics.render().decode())
+    with open("/proc/self/status") as status:
+        vm_rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    rss = m[("process_resident_memory_bytes", ())]
+    # The same process measured twice a moment apart: within a factor, not equal (it allocates between).
+    assert 0.5 * vm_rss_kib * 1024 < rss < 2.0 * vm_rss_kib * 1024

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -169,6 +169,9 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], is_ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes and friends: a soak reads RSS growth from here, as from any
+        # server on prometheus_client's default registry.
+        ProcessCollector(registry=r)
 
         def latency(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=LATENCY_BUCKETS_S, registry=r)
