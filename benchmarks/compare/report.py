@@ -131,7 +131,8 @@ def capacity_table(store: Store, workload: str) -> list[str]:
             lines.append(f"| {LABELS[key]} | not finished | | {text} | | |")
             continue
         dropped = ", ".join(
-            f"{d['name']} ({d['rate']:g} req/s, ~{d['would_take_s'] / 60:.0f} min)" for d in done["dropped"]
+            f"{d['name']} ({d['rate']:g} req/s, ~{d['would_take_s'] / 60:.0f} min)"
+            for d in done.get("dropped", [])
         )
         above = done["capacity_bracket"][1]
         lines.append(
@@ -184,9 +185,8 @@ def reference_table(store: Store, workload: str) -> list[str]:
         cells = []
         for name, scale, _ in names:
             mine = metric(p, name)
-            verdict = (
-                "" if key == REFERENCE else f" ({compare(interval(mine), interval(metric(ours, name)))})"
-            )
+            apart = compare(interval(mine), interval(metric(ours, name)))
+            verdict = "" if key == REFERENCE or mine is None else f" ({apart})"
             cells.append(ci(mine, scale, 0 if scale > 1 else 2) + verdict)
         f = p["figures"]
         lines.append(

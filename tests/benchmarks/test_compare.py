@@ -5,7 +5,6 @@ checkpoints a rerun resumes from. No server is started.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,20 +224,18 @@ def point(
 
     metrics = {"queue_delay_s": {"p99": iv(queue)}, "tpot_s": {"p99_over_mean": iv((1.2, 1.1, 1.3))},
                "slowdown": {"p99_over_mean": iv((1.9, 1.7, 2.4))}}  # fmt: skip
-    figures = {"metrics": metrics, "goodput_per_s": iv(goodput), "measured": 400,
+    figures = {"metrics": metrics, "goodput_per_s": iv(goodput), "measured": 400, "ok": 400, "failed": 0,
                "fates": {"met": 300, "fast_429": 90, "slow_miss": 10, "error": 0}}  # fmt: skip
-    return {"rate": rate, "passed": passed, "figures": figures, "fail_reason": ""}
+    run = {"bench_json": "runs/none.json", "wall_s": 1.0}  # no JSONL behind it: no CDF drawn
+    return {"rate": rate, "passed": passed, "figures": figures, "fail_reason": "", "run": run}
 
 
 def test_report_targets_from_intervals(tmp_path: Path) -> None:
     store = Store(tmp_path)
     for key, cap, above in (("ts-slo", 2.0, 2.2), ("ts-fcfs", 1.0, 1.2), ("llamacpp", 1.0, 1.1)):
-        store.save(
-            {"intercept_s": 0, "per_token_s": 0, "idle_tpot_s": 0, "points": []},
-            key,
-            "longtail",
-            "calibration",
-        )
+        calibration = {"intercept_s": 0, "per_token_s": 0, "idle_tpot_s": 0, "points": [], "idle_ttft_longest_s": 1.0,
+                       "server": {"ready_s": 5.0, "notes": "test", "command": "x"}}  # fmt: skip
+        store.save(calibration, key, "longtail", "calibration")
         store.save(
             {"capacity": cap, "capacity_bracket": [cap, above], "complete": True}, key, "longtail", "points"
         )
@@ -255,7 +252,11 @@ def test_report_targets_from_intervals(tmp_path: Path) -> None:
     assert "**MET**" in lines[3] and "queue delay" in lines[3]  # 0.6 <= 0.5 x 2.0
     # goodput at 2x 1.8..2.0 vs at capacity 1.8..2.2: 1.8 >= 0.8 x 2.2 = 1.76.
     assert "**MET**" in lines[4] and "2x capacity" in lines[4]
-    assert math.isfinite(len(text))
+    assert "llama.cpp" not in text.split("peers at their own 2x")[1]  # it has no 2x point: not shown
+    store.save({"ttft_s": 5.0, "tpot_s": 0.1, "error_rate": 0.01, "basis": "test"}, "slo-longtail")
+    rendered, _ = report.render(store)
+    # The same offered load for every server: fcfs's P99 queue delay is apart from (above) slo's.
+    assert "| tailserve (fcfs) | - | - | - | 3.00 [2.00, 4.00] (higher) |" in rendered
 
 
 def test_soak_memory_and_kv_readings(tmp_path: Path) -> None:
