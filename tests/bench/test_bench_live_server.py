@@ -77,7 +77,11 @@ def test_bench_run_against_live_server(live_server: str, tmp_path: Path) -> None
     assert doc["metrics"]["ttft_s"]["p50_ci"][0] is not None
     assert any("P99 of 25 requests = their maximum" in w for w in doc["warnings"])
     # tailserve's own /metrics: every KV block is back in the pool once the run is over.
-    assert doc["server_samples"]["start"] is not None and doc["server_samples"]["end"]["kv_blocks_used"] == 0
+    samples = doc["server_samples"]
+    assert samples["start"] is not None and samples["end"]["kv_blocks_used"] == 0
+    # RSS from the process gauges, sampled at the start, the end of warm-up (request 5's due time), the end.
+    assert all(samples[k]["rss_bytes"] > 0 for k in ("start", "warmup_end", "end"))
+    assert samples["rss_growth_after_warmup"] is not None
     html = out.with_suffix(".html")
     assert html.exists()
     if CHROMIUM:
