@@ -135,3 +135,18 @@ def test_bitmask_touches_only_its_rows() -> None:
     allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
     assert allowed == [5, 65] and torch.equal(out[1, allowed], logits[1, allowed])
     assert adjust_logits(logits, [SamplingSpec()] * 3) is logits  # no grammar: no copy at all
+
+
+def test_length_bounded_strings_admit_no_raw_control_characters() -> None:
+    """JSON forbids raw control characters in strings; a maxLength string must not let them in."""
+    from tailserve.engine.structured import GrammarCache
+    from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
+
+    cache = GrammarCache(Tokenizer(ByteTokenizer(512), [2]), 512)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}, "required": ["a"]}
+    matcher = cache.matcher(GrammarSpec("json_schema", json.dumps(schema)))
+    assert all(matcher.accept(b + 3) for b in b'{"a": "')  # byte b is token b + 3
+    words = cache.bitmask([matcher])[0]
+    allowed = {t - 3 for t in range(3, 259) if int(words[t // 32]) >> (t % 32) & 1}
+    assert ord("x") in allowed and ord('"') in allowed  # a character, or the end of the string
+    assert not allowed & set(range(32)) and ord("\\") not in allowed

@@ -106,9 +106,8 @@ def test_unsupported_completion_parameters_are_refused(fields: dict[str, Any], p
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),  # the legacy API; tools replace it
+        ({"function_call": {"name": "f"}}, "function_call"),
     ],
 )
 def test_unsupported_chat_parameters_are_refused(fields: dict[str, Any], param: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tailserve.config import EngineConfig
 from tailserve.engine.llm_engine import LLMEngine
-from tailserve.engine.request import RequestOutput, SamplingParams, ttft_target_s
+from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, ttft_target_s
 from tailserve.engine.stats import EngineStats, QueueSnapshot
 from tailserve.errors import TailserveError
 from tailserve.model.loader import LoadedModel
@@ -76,6 +76,11 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
             self._thread.start()
+
+    async def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` on a worker thread into the engine's grammar cache, so the step loop finds it
+        there; a bad spec raises InvalidRequestError (a 400) and queues nothing."""
+        await asyncio.to_thread(self.engine.grammars.compile, spec)
 
     async def shutdown(self) -> None:
         """Stop the loop; unfinished requests are aborted."""

@@ -107,7 +107,8 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
 
     try:
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            schema = _escape_free_strings(json.loads(spec.source))
+            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
         if spec.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
@@ -118,7 +119,8 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
             options = json.loads(spec.source)
             return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(o) for o in options))
         if spec.kind == "tool_call":
-            call = xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            schema = json.dumps(_escape_free_strings(json.loads(spec.source)))
+            call = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
             around = [xgrammar.Grammar.from_ebnf(f"root ::= {_ebnf_literal(s)}") for s in _TOOL_CALL_AROUND]
             return compiler.compile_grammar(xgrammar.Grammar.concat(around[0], call, around[1]))
     except InvalidRequestError:
@@ -130,6 +132,26 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
 
 
 _TOOL_CALL_AROUND = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+_LENGTH_KEYS = ("minLength", "maxLength")
+
+
+def _escape_free_strings(schema: Any) -> Any:
+    """Length-bounded strings as a pattern of plain characters (no escapes, no control characters).
+
+    xgrammar 0.2.9 lets raw control characters into strings with minLength/maxLength, which is not
+    JSON; the pattern keeps the same length bounds and always parses.
+    """
+    if isinstance(schema, list):
+        return [_escape_free_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _escape_free_strings(v) for k, v in schema.items()}
+    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and plain and any(k in out for k in _LENGTH_KEYS):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        bound = "" if high is None else str(int(high))
+        out["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{bound}}}$'
+    return out
 
 
 def _ebnf_literal(text: str) -> str:

@@ -87,6 +87,7 @@ class GGUFTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tokenize: bool = False,
         add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The conversation rendered as prompt text (jinja errors propagate; the caller maps them)."""
         if tokenize:
@@ -97,7 +98,7 @@ class GGUFTokenizer:
             self._compiled = _template_environment().from_string(self.chat_template)
         return self._compiled.render(
             messages=[_template_message(m) for m in messages],
-            tools=None,
+            tools=list(tools) if tools else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.named_tokens,

@@ -32,8 +32,14 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        """Token ids of the conversation followed by the assistant's generation prompt."""
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template reads `tools` (Hugging Face's convention), so tools are rendered its way."""
+        return "tools" in str(getattr(self.hf, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: list[Message], tools: list[Message] | None = None) -> list[int]:
+        """Token ids of the conversation followed by the assistant's generation prompt; `tools`
+        (OpenAI's function list) go to templates that read them."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         if not getattr(self.hf, "chat_template", None):
@@ -43,7 +49,8 @@ class Tokenizer:
             )
             return self.encode(text)
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as exc:  # jinja errors: a malformed conversation, not a server fault
             raise InvalidRequestError(
                 f"messages do not fit the chat template: {exc}", param="messages"

@@ -8,10 +8,10 @@ config.py), which import no torch.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from tailserve.config import EngineConfig
-from tailserve.engine.request import RequestOutput, SamplingParams
+from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams
 from tailserve.engine.stats import EngineStats
 
 
@@ -22,7 +22,14 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template reads `tools` itself (else server/tools.py writes the default tool prompt)."""
+        ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
 
 
 class Engine(Protocol):
@@ -43,6 +50,10 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+    async def prepare_grammar(self, spec: GrammarSpec) -> None:
+        """Compile a structured-output grammar off the step loop (cached); a bad one raises a 400."""
+        ...
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

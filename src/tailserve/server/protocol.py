@@ -7,16 +7,18 @@ silently ignores a parameter it does not implement and never touches engine stat
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tailserve.engine.request import SamplingParams
+from tailserve.engine.request import GrammarSpec, SamplingParams
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.engine_api import Tokenizer
 from tailserve.server.errors import UnsupportedParameterError
 from tailserve.server.generation_defaults import GenerationDefaults
+from tailserve.server.tools import check_tool_calls, template_messages, tool_setup
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a 64-bit generator seed can hold
@@ -44,6 +46,16 @@ class SloRequest(_Body):
     tpot_ms: float | None = None
 
 
+class StructuredOutputs(_Body):
+    """`structured_outputs` (extension, vLLM's spelling): exactly one constraint on the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # xgrammar's EBNF
+    json_object: bool | None = None
+
+
 class _CommonRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -65,6 +77,7 @@ class _CommonRequest(_Body):
     min_p: float | None = None  # extension
     min_tokens: int | None = None  # extension
     stop_token_ids: list[int] | None = None  # extension
+    structured_outputs: StructuredOutputs | None = None  # extension, as vLLM
     slo: SloRequest | None = None  # extension: own TTFT/TPOT targets (server/slo_classes.py)
     priority: int | str | None = None  # extension: an SLO class name, or vLLM's integer priority
     # Accepted and unused: they change no output here (no stored completions, one service tier).
@@ -87,9 +100,11 @@ class CompletionRequest(_CommonRequest):
 class ChatMessage(_Body):
     """One chat message; content is a string or a list of text parts."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -191,11 +206,8 @@ def _reject_unsupported(req: _CommonRequest) -> None:
         ]
     if isinstance(req, ChatCompletionRequest):
         checks += [
-            ("tools", bool(req.tools)),
-            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
             ("functions", bool(req.functions)),
             ("function_call", req.function_call not in (None, "none", "auto")),
-            ("response_format", req.response_format not in (None, {"type": "text"})),
         ]
     for param, bad in checks:
         if bad:
@@ -232,14 +244,43 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[in
     """Messages -> the model's chat template with the generation prompt."""
     if not req.messages:
         raise InvalidRequestError("'messages' must contain at least one message", "messages")
-    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
-    return tokenizer.apply_chat_template(messages)
+    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    setup = tool_setup(req.tools, req.tool_choice)
+    tool_history = any(m.role == "tool" or m.tool_calls for m in req.messages)
+    template_has_tools = bool(req.tools or tool_history) and tokenizer.supports_tools
+    rendered, tools = template_messages(messages, setup, template_has_tools)
+    return (
+        tokenizer.apply_chat_template(rendered, tools) if tools else tokenizer.apply_chat_template(rendered)
+    )
+
+
+def parses_tool_calls(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """The output is read for <tool_call> blocks (tools given, tool_choice not "none")."""
+    return isinstance(req, ChatCompletionRequest) and tool_setup(req.tools, req.tool_choice).parse
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A checked message as the template sees it: role, text, and the tool fields its role has."""
+    out: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
+    if message.tool_calls is not None:
+        if message.role != "assistant":
+            raise InvalidRequestError(
+                "Only assistant messages carry 'tool_calls'", f"messages[{index}].tool_calls"
+            )
+        out["tool_calls"] = check_tool_calls(message.tool_calls, index)
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise InvalidRequestError(
+                "A tool message needs the 'tool_call_id' it answers", f"messages[{index}].tool_call_id"
+            )
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
-    if message.role == "user" and not message.content and not isinstance(message.content, str):
+    if message.role in ("user", "tool") and not message.content and not isinstance(message.content, str):
         raise InvalidRequestError(
-            "A user message needs content: a string or a non-empty list of text parts",
+            f"A {message.role} message needs content: a string or a non-empty list of text parts",
             f"messages[{index}].content",
         )
     if message.content is None or isinstance(message.content, str):
@@ -305,12 +346,88 @@ def sampling_params(
             logit_bias=_logit_bias(req.logit_bias),
             min_tokens=req.min_tokens or 0,
             logprobs=_logprobs(req),
+            grammar=request_grammar(req),
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
             exc.param = max_param
             exc.message = exc.message.replace("max_tokens", max_param)
         raise
+
+
+def request_grammar(req: _CommonRequest) -> GrammarSpec | None:
+    """The one output constraint a request asks for: response_format, structured_outputs, or a call
+    forced by tool_choice; asking for two is a 400 naming the second."""
+    found: list[GrammarSpec] = []
+    if isinstance(req, ChatCompletionRequest):
+        if (spec := _response_format(req.response_format)) is not None:
+            found.append(spec)
+        if (spec := tool_setup(req.tools, req.tool_choice).grammar) is not None:
+            found.append(dataclasses.replace(spec, param="tool_choice") if found else spec)
+    if req.structured_outputs is not None:
+        found.append(_structured_outputs(req.structured_outputs))
+    if len(found) > 1:
+        raise InvalidRequestError(
+            "Only one of 'response_format', 'structured_outputs' and a forced 'tool_choice' may constrain the output",
+            found[1].param.split(".")[0],
+        )
+    return found[0] if found else None
+
+
+def _response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema with a schema."""
+    kind = (fmt or {}).get("type", "text")
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", param="response_format")
+    if kind != "json_schema":
+        raise InvalidRequestError(
+            f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format.type",
+        )
+    body = fmt.get("json_schema")
+    if not isinstance(body, dict) or not isinstance(body.get("name", ""), str):
+        raise InvalidRequestError(
+            "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
+            "response_format.json_schema",
+        )
+    schema = body.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            "'response_format.json_schema.schema' must be a JSON schema object",
+            "response_format.json_schema.schema",
+        )
+    # `strict` false or true: the schema is enforced either way (a grammar cannot half-apply).
+    return GrammarSpec("json_schema", json.dumps(schema), param="response_format.json_schema.schema")
+
+
+def _structured_outputs(so: StructuredOutputs) -> GrammarSpec:
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+    given = {k: v for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)}
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "'structured_outputs' takes exactly one of 'json', 'regex', 'choice', 'grammar', 'json_object'",
+            "structured_outputs",
+        )
+    (key, value), param = next(iter(given.items())), f"structured_outputs.{next(iter(given))}"
+    if key == "json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"'{param}' is not valid JSON: {exc}", param) from None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"'{param}' must be a JSON schema object", param)
+        return GrammarSpec("json_schema", json.dumps(schema), param=param)
+    if key == "choice":
+        if not value or not all(value):
+            raise InvalidRequestError(f"'{param}' must be a non-empty list of non-empty strings", param)
+        return GrammarSpec("choice", json.dumps(value), param=param)
+    if key == "json_object":
+        return GrammarSpec("json_object", param=param)
+    if not value:
+        raise InvalidRequestError(f"'{param}' must not be empty", param)
+    return GrammarSpec(key, value, param=param)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

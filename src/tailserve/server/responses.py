@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tailserve.engine.request import RequestOutput, TokenLogprob
+from tailserve.server.tools import ToolCallStream, parse_tool_calls
 
 Kind = Literal["completion", "chat"]
 
@@ -25,6 +26,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every text chunk
     token_text: Callable[[int], str] | None = None  # set when the request asked for logprobs
+    tool_calls: bool = False  # chat with tools: the output is parsed for <tool_call> blocks
 
 
 def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
@@ -99,8 +101,10 @@ def full_response(
         if job.kind == "completion":
             choice: dict[str, Any] = {"index": index, "text": o.text, "logprobs": lps}
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lps}
+            choice = {"index": index, "message": _chat_message(job, o), "logprobs": lps}
         choice["finish_reason"] = o.finish_reason
+        if "tool_calls" in choice.get("message", {}) and o.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
         choices.append(choice)
     return {
         "id": job.request_id,
@@ -111,6 +115,17 @@ def full_response(
         "usage": usage(outs, prompt_counted),
         "tailserve_timings": timings(outs[0]),
     }
+
+
+def _chat_message(job: Job, out: RequestOutput) -> dict[str, Any]:
+    """The assistant message; with tools, its <tool_call> blocks as `tool_calls` and the rest as content."""
+    if not job.tool_calls:
+        return {"role": "assistant", "content": out.text}
+    content, calls = parse_tool_calls(out.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def _chunk(job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -144,8 +159,10 @@ def text_chunk(
     out: RequestOutput | None = None,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A chunk carrying new text and, on the last one, the finish reason (usage so far if continuous)."""
+    """A chunk carrying new text and, on the last one, the finish reason (usage so far if continuous);
+    `delta` replaces a chat chunk's text delta (tool-call deltas)."""
     if job.kind == "completion":
         choice: dict[str, Any] = {
             "index": index,
@@ -154,7 +171,8 @@ def text_chunk(
             "finish_reason": finish_reason,
         }
     else:
-        delta = {"content": text} if text or finish_reason is None else {}
+        if delta is None:
+            delta = {"content": text} if text or finish_reason is None else {}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     body = _chunk(job, [choice])
     if job.continuous_usage and out is not None:
@@ -163,11 +181,36 @@ def text_chunk(
 
 
 def final_chunks(
-    job: Job, out: RequestOutput, logprobs: dict[str, Any] | None = None
+    job: Job, out: RequestOutput, logprobs: dict[str, Any] | None = None, tools: ToolCallStream | None = None
 ) -> list[dict[str, Any]]:
     """The finish-reason chunk, then the usage chunk when asked; the last one carries the timings."""
-    chunks = [text_chunk(job, out.new_text, out.finish_reason, out, logprobs)]
-    return _with_usage(job, chunks, [out])
+    return _with_usage(job, choice_chunks(job, out, logprobs, 0, tools), [out])
+
+
+def choice_chunks(
+    job: Job,
+    out: RequestOutput,
+    logprobs: dict[str, Any] | None = None,
+    index: int = 0,
+    tools: ToolCallStream | None = None,
+) -> list[dict[str, Any]]:
+    """One choice's new output as chunks, the finish reason on the last once it is done. Parsed for
+    tool calls (`tools`, that choice's parser), it is one chunk per delta the parser makes certain
+    (logprobs on the first, or alone while text is held back) and finish_reason "tool_calls" when a
+    call was made."""
+    reason = out.finish_reason if out.finished else None
+    if tools is None:
+        return [text_chunk(job, out.new_text, reason, out, logprobs, index)]
+    deltas = tools.feed(out.new_text) + (tools.finish() if out.finished else [])
+    chunks = [
+        text_chunk(job, "", None, out, logprobs if k == 0 else None, index, delta=d)
+        for k, d in enumerate(deltas)
+    ]
+    if reason is not None or (not deltas and logprobs is not None):
+        if reason == "stop" and tools.calls:
+            reason = "tool_calls"
+        chunks.append(text_chunk(job, "", reason, out, None if deltas else logprobs, index, delta={}))
+    return chunks
 
 
 def _with_usage(

@@ -33,21 +33,23 @@ from tailserve.server.protocol import (
     choices_per_prompt,
     completion_prompt_ids,
     fan_out,
+    parses_tool_calls,
     sampling_params,
     validate_body,
 )
 from tailserve.server.responses import (
     Job,
     Kind,
+    choice_chunks,
     final_chunks,
     full_response,
     logprobs_json,
     role_chunk,
-    text_chunk,
     usage_chunks,
 )
 from tailserve.server.slo_classes import SloClasses
 from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
+from tailserve.server.tools import ToolCallStream
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never reaches a client
@@ -77,6 +79,8 @@ class Serving:
         self._admission.check_available()
         api_key = bearer_token(request.headers.get("authorization"))
         job, inputs = self.prepare(kind, await request.body(), api_key)
+        for spec in dict.fromkeys(i.params.grammar for i in inputs if i.params.grammar is not None):
+            await self._engine.prepare_grammar(spec)  # on a worker thread; a bad one is a 400 here
         if len(inputs) > 1:
             return await self.respond_many(job, inputs, request.receive)
         return await self.respond(job, inputs[0], request.receive)
@@ -113,6 +117,7 @@ class Serving:
             include_usage,
             continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
             token_text=(lambda t: tokenizer.decode([t])) if params.logprobs is not None else None,
+            tool_calls=parses_tool_calls(req),
         )
         n = choices_per_prompt(req)
         return job, fan_out(prompts, all_params, n, job.request_id, req.stream, include_usage)
@@ -198,6 +203,7 @@ class Serving:
                 await queue.put((i, exc))
 
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(firsts)]
+        tools = [ToolCallStream() if job.tool_calls else None for _ in runs]  # a parser per choice
         finals: list[RequestOutput | None] = [None] * len(runs)
         try:
             while any(f is None for f in finals):
@@ -207,9 +213,9 @@ class Serving:
                 lps = logprobs_json(job, out.new_logprobs)
                 if out.finished:
                     finals[i] = out
-                    yield sse_event(text_chunk(job, out.new_text, out.finish_reason, out, lps, i))
-                elif out.new_text:
-                    yield sse_event(text_chunk(job, out.new_text, None, out, lps, i))
+                if out.finished or out.new_text:
+                    for chunk in choice_chunks(job, out, lps, i, tools[i]):
+                        yield sse_event(chunk)
             for chunk in usage_chunks(job, [f for f in finals if f is not None], prompt_counted):
                 yield sse_event(chunk)
             yield SSE_DONE
@@ -230,6 +236,7 @@ class Serving:
         out: RequestOutput | None = first
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
         offset = 0  # legacy completions' text_offset of the next token
+        tools = ToolCallStream() if job.tool_calls else None
         try:
             if job.kind == "chat":
                 yield sse_event(role_chunk(job))
@@ -239,10 +246,12 @@ class Serving:
                     lps = logprobs_json(job, pending, offset)
                     offset += sum(len(t) for t in (lps or {}).get("tokens", []))
                     pending = []
-                    yield sse_event(text_chunk(job, out.new_text, None, out, lps))
+                    for chunk in choice_chunks(job, out, lps, 0, tools):
+                        yield sse_event(chunk)
                 out = await anext(run.gen)
             if out is not None:
-                for chunk in final_chunks(job, out, logprobs_json(job, pending + out.new_logprobs, offset)):
+                lps = logprobs_json(job, pending + out.new_logprobs, offset)
+                for chunk in final_chunks(job, out, lps, tools):
                     yield sse_event(chunk)
             yield SSE_DONE
         except Exception as exc:
