@@ -22,8 +22,8 @@ from tailserve.engine import LLMEngine, SamplingParams
 from tailserve.engine.llm import LLM
 from tailserve.errors import ConfigError
 from tailserve.model import cpu_kernels
-from tailserve.model.loader import LoadedModel
-from tailserve.model.parallel import shard_int4
+from tailserve.model.loader import LoadedModel, load_model, read_arch
+from tailserve.model.parallel import TensorParallel, check_shardable, shard_int4
 from tailserve.model.runner import ModelRunner, SeqChunk
 from tailserve.model.sampler import SamplingSpec
 from tailserve.model.weight_formats import Int4Groups, pack_amx_int4, pack_int4
@@ -227,3 +227,21 @@ def test_tp2_random_arrivals_and_aborts_return_every_block(tp2_engine: LLMEngine
     # block tables each plan carries), so the next example starting from a full pool checks them.
     assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
     assert all(p.is_alive() for p in multiprocessing.active_children())
+
+
+def test_the_gguf_loader_keeps_only_a_ranks_shard(smol: LoadedModel) -> None:
+    arch = read_arch("default")
+    tp = TensorParallel(1, arch, check_shardable(arch, 3, "fp32"), torch.device("cpu"))
+    shard = load_model("default", torch.float32, keep=tp.keep)
+    assert shard.sharded
+    got, full = shard.weights, smol.weights
+    q, k, down = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    )
+    assert got[q].shape == (3 * 64, 576) and torch.equal(got[q], full[q][192:384])  # heads 3-5
+    assert got[k].shape == (64, 576) and torch.equal(got[k], full[k][64:128])  # KV head 1
+    assert got[down].shape == (576, 512) and torch.equal(got[down], full[down][:, 512:1024])
+    assert torch.equal(got["model.embed_tokens.weight"], full["model.embed_tokens.weight"][16384:32768])
+    assert torch.equal(got["model.norm.weight"], full["model.norm.weight"])  # replicated

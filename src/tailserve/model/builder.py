@@ -20,7 +20,7 @@ from tailserve.errors import ConfigError
 from tailserve.model.arch import ArchConfig
 from tailserve.model.attention import AttentionBackend
 from tailserve.model.formats import activation_dtype, build_model, plan_for
-from tailserve.model.loader import LoadedModel, load_model
+from tailserve.model.loader import Keep, LoadedModel, load_model, read_arch
 from tailserve.model.quality_gate import GateResult, choose_weight_format
 from tailserve.model.runner import ModelRunner, kv_bytes_per_token, kv_pool_shape
 from tailserve.model.tokenizer import Tokenizer
@@ -90,20 +90,23 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         loaded=loaded,
     )
     weight_format = choice.weight_format
-    if loaded is None:
-        loaded = _load(mc, weight_format, device)
-    tp = None
-    if size > 1:  # refused here, before any worker starts, if the model cannot split N ways
-        from tailserve.model import parallel, tp_worker
+    if size == 1:
+        if loaded is None:
+            loaded = _load(mc, weight_format, device)
+        return _build_rank(mc, cc, loaded, weight_format, device, None, choice.gate)
+    from tailserve.model import parallel, tp_worker
 
-        split = parallel.check_shardable(loaded.arch, size, weight_format)
-        log.info("%s", split.describe())
-        tp = parallel.start_group(loaded.arch, split, device, tp_worker.main, (mc, cc, weight_format))
+    arch = loaded.arch if loaded else read_arch(mc.model)
+    split = parallel.check_shardable(arch, size, weight_format)  # refused before any worker starts
+    log.info("%s", split.describe())
+    tp = parallel.start_workers(arch, split, device, tp_worker.main, (mc, cc, weight_format))
     try:
+        if loaded is None:  # each rank loads only its shard, all at once
+            loaded = _load(mc, weight_format, device, tp.keep)
+        parallel.join_workers(tp)
         return _build_rank(mc, cc, loaded, weight_format, device, tp, choice.gate)
     except BaseException:
-        if tp is not None:
-            tp.close()
+        tp.close()
         raise
 
 
@@ -120,18 +123,18 @@ def build_worker_runner(
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(mc.num_threads or max(1, default_cpu_threads() // size))
-    loaded = _load(mc, weight_format, device)
-    split = parallel.check_shardable(loaded.arch, size, weight_format)
+    arch = read_arch(mc.model)
+    tp = parallel.TensorParallel(rank, arch, parallel.check_shardable(arch, size, weight_format), device)
+    loaded = _load(mc, weight_format, device, tp.keep)
     parallel.join_group(rank, size, port, device)
-    tp = parallel.TensorParallel(rank, loaded.arch, split, device)
     return _build_rank(mc, cc, loaded, weight_format, device, tp, None)
 
 
-def _load(mc: ModelConfig, weight_format: str, device: torch.device) -> LoadedModel:
+def _load(mc: ModelConfig, weight_format: str, device: torch.device, keep: Keep | None = None) -> LoadedModel:
     dtype = activation_dtype(weight_format, device)
     # A plan that runs the int4 layers from their blocks on both phases needs no dense copy.
     dense_q4 = plan_for(weight_format, device).prefill != "int4"
-    return load_model(mc.model, dtype, mc.seed, dense_q4=dense_q4)
+    return load_model(mc.model, dtype, mc.seed, dense_q4=dense_q4, keep=keep)
 
 
 def _build_rank(
@@ -146,11 +149,7 @@ def _build_rank(
     """The model (this rank's shard under TP) and its runner over a KV pool sized the same on every rank."""
     dtype = activation_dtype(weight_format, device)
     arch = loaded.arch
-    kv_arch = arch
-    if tp is not None:
-        from tailserve.model.parallel import local_arch
-
-        kv_arch = local_arch(arch, tp.split, tp.rank)
+    kv_arch = arch if tp is None else tp.local_arch
     max_model_len = min(
         mc.max_model_len or min(arch.max_position_embeddings, MAX_DEFAULT_CONTEXT),
         arch.max_position_embeddings,

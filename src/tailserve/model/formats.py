@@ -97,8 +97,8 @@ def build_model(
     if plan.decode == "int4" or plan.head == "int4":
         for name, t in blocks.items():
             groups = int4_from_blocks(t)
-            if groups is not None:
-                int4[name] = groups
+            if groups is not None:  # cut at once under TP: never every layer's whole groups at a time
+                int4[name] = groups if tp is None else tp.keep_int4(name, groups)
     head_name = "lm_head.weight" if "lm_head.weight" in loaded.weights else "model.embed_tokens.weight"
     head_weight = None
     head_int8 = (
@@ -117,11 +117,11 @@ def build_model(
         weights = {k: w.float() for k, w in weights.items()}
     arch = loaded.arch
     if tp is not None:
-        from tailserve.model.parallel import shard_for
-
-        arch, weights, int4, head_weight, head_int8 = shard_for(
-            tp, arch, weights, int4, head_weight, head_int8, head_name
-        )
+        arch = tp.local_arch
+        if not loaded.sharded:  # weights loaded whole (tests pass them in): cut them here
+            weights = {n: tp.keep(n, w) for n, w in weights.items()}
+        head_weight = None if head_weight is None else tp.keep(head_name, head_weight)
+        head_int8 = None if head_int8 is None else tp.keep_int8_rows(head_name, head_int8)
     model = TransformerLM(arch, weights, max_positions, plan, int4, head_weight, head_int8)
     if tp is not None:
         model.shard_over(tp)

@@ -8,6 +8,7 @@ Q/K row permutation (done at conversion for rotary embeddings) is undone so rows
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from tailserve.errors import ModelLoadError, UnsupportedModelError
 from tailserve.model.arch import ArchConfig, check_weights
-from tailserve.model.gguf_file import GGUFTensor, read_gguf
+from tailserve.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from tailserve.model.gguf_tokenizer import TOKEN_TYPE_CONTROL, GGUFTokenizer
 from tailserve.model.tokenizer import Tokenizer
 from tailserve.model.weight_formats import dequantize_tensor
@@ -57,28 +58,46 @@ class GGUFWeights:
     tokenizer: Tokenizer
 
 
-def load_gguf(path: Path, dtype: torch.dtype, dense_q4: bool = True) -> GGUFWeights:
+def load_gguf(
+    path: Path,
+    dtype: torch.dtype,
+    dense_q4: bool = True,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> GGUFWeights:
     """Parse the file once; return name, shapes, HF-named weights (dense and blocks) and the tokenizer.
 
     `dense_q4=False` leaves Q4_0 / Q4_1 tensors as shape-only (meta) dense entries: for a model that
-    runs them from their blocks alone (the int4 plan on AMX), which skips decoding ~100M weights."""
+    runs them from their blocks alone (the int4 plan on AMX), which skips decoding ~100M weights.
+    `keep(name, tensor)` cuts each dense tensor as soon as it is decoded (a tensor-parallel shard),
+    so no more than one whole tensor is ever held; the blocks stay mapped from the file."""
     gguf_file = read_gguf(path)
     meta = gguf_file.metadata
-    arch = _arch_from_metadata(meta, path)
-    blocks = _hf_blocks(gguf_file.tensors, arch)
-    if "lm_head.weight" not in blocks and not arch.tie_word_embeddings:
-        arch = ArchConfig(**{**arch.__dict__, "tie_word_embeddings": True})
+    arch, blocks = _arch_and_blocks(gguf_file, path)
     check_weights(arch, {k: t.shape for k, t in blocks.items()}, str(path))
+    cut = keep or (lambda _, t: t)
     dense = {
-        k: dequantize_tensor(t, dtype)
+        k: cut(k, dequantize_tensor(t, dtype))
         if dense_q4 or t.type_name not in ("Q4_0", "Q4_1")
-        else torch.empty(t.shape, dtype=dtype, device="meta")
+        else cut(k, torch.empty(t.shape, dtype=dtype, device="meta"))
         for k, t in blocks.items()
     }
     quantized = {k: t for k, t in blocks.items() if t.type_name not in _FLOAT_TYPES}
     tokenizer = _tokenizer(meta, path, arch)
     name = path.name.removesuffix(".gguf").split(".")[0]
     return GGUFWeights(name, arch, dense, quantized, tokenizer)
+
+
+def read_gguf_arch(path: Path) -> ArchConfig:
+    """The architecture alone (header and tensor directory; no tensor is decoded)."""
+    return _arch_and_blocks(read_gguf(path), path)[0]
+
+
+def _arch_and_blocks(gguf_file: GGUFFile, path: Path) -> tuple[ArchConfig, dict[str, GGUFTensor]]:
+    arch = _arch_from_metadata(gguf_file.metadata, path)
+    blocks = _hf_blocks(gguf_file.tensors, arch)
+    if "lm_head.weight" not in blocks and not arch.tie_word_embeddings:
+        arch = ArchConfig(**{**arch.__dict__, "tie_word_embeddings": True})
+    return arch, blocks
 
 
 def _arch_from_metadata(meta: dict[str, Any], path: Path) -> ArchConfig:

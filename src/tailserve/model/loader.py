@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -42,6 +43,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     load_s: float
     blocks: dict[str, GGUFTensor] = field(default_factory=dict)
+    sharded: bool = False  # `weights` already hold one tensor-parallel rank's shard (cut at load)
 
 
 def default_model_path() -> Path:
@@ -61,36 +63,69 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(spec: str, dtype: torch.dtype, seed: int = 0, dense_q4: bool = True) -> LoadedModel:
+Keep = Callable[[str, torch.Tensor], torch.Tensor]  # cuts a loaded tensor to what this process keeps
+
+
+def load_model(
+    spec: str, dtype: torch.dtype, seed: int = 0, dense_q4: bool = True, keep: Keep | None = None
+) -> LoadedModel:
     """Load `default`, `dummy:<preset>`, a .gguf file or a Hugging Face model directory.
 
-    `dense_q4=False`: a GGUF's Q4 tensors get no dense copy (see `gguf_loader.load_gguf`)."""
+    `dense_q4=False`: a GGUF's Q4 tensors get no dense copy (see `gguf_loader.load_gguf`).
+    `keep(name, tensor)` is applied to every dense tensor as it is loaded (a tensor-parallel rank's
+    shard): at most one whole tensor is held at a time."""
     start = time.perf_counter()
     blocks: dict[str, GGUFTensor] = {}
     if spec.startswith("dummy:"):
-        name, arch, weights, tok = _load_dummy(spec.removeprefix("dummy:"), dtype, seed)
+        name, arch, weights, tok = _load_dummy(spec.removeprefix("dummy:"), dtype, seed, keep)
     else:
-        path = default_model_path() if spec == "default" else Path(spec).expanduser()
-        if not path.exists():
-            raise ModelLoadError(
-                f"model path {str(path)!r} does not exist (pass a directory, a .gguf file, or default)"
-            )
+        path = _model_path(spec)
         if path.is_file() and path.suffix == ".gguf":
             from tailserve.model.gguf_loader import load_gguf
 
-            gguf = load_gguf(path, dtype, dense_q4)
+            gguf = load_gguf(path, dtype, dense_q4, keep)
             name, arch, weights, tok, blocks = gguf.name, gguf.arch, gguf.dense, gguf.tokenizer, gguf.blocks
-        elif path.is_dir():
-            name, arch, weights, tok = _load_hf_dir(path, dtype)
         else:
-            raise ModelLoadError(f"{str(path)!r} is neither a model directory nor a .gguf file")
+            name, arch, weights, tok = _load_hf_dir(path, dtype, keep)
     load_s = time.perf_counter() - start
     log.info("loaded %s (%s, %d layers) in %.2f s", name, arch.family, arch.num_layers, load_s)
-    return LoadedModel(name=name, arch=arch, weights=weights, tokenizer=tok, load_s=load_s, blocks=blocks)
+    return LoadedModel(
+        name=name,
+        arch=arch,
+        weights=weights,
+        tokenizer=tok,
+        load_s=load_s,
+        blocks=blocks,
+        sharded=keep is not None,
+    )
+
+
+def read_arch(spec: str) -> ArchConfig:
+    """A model's architecture without loading its weights (config.json, the GGUF header, a preset)."""
+    if spec.startswith("dummy:"):
+        return preset(spec.removeprefix("dummy:"))
+    path = _model_path(spec)
+    if path.is_file():
+        from tailserve.model.gguf_loader import read_gguf_arch
+
+        return read_gguf_arch(path)
+    return ArchConfig.from_hf_config(_read_hf_config(path))
+
+
+def _model_path(spec: str) -> Path:
+    """`default` or a path, checked to be a .gguf file or a directory."""
+    path = default_model_path() if spec == "default" else Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist (pass a directory, a .gguf file, or default)"
+        )
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise ModelLoadError(f"{str(path)!r} is neither a model directory nor a .gguf file")
+    return path
 
 
 def _load_dummy(
-    preset_name: str, dtype: torch.dtype, seed: int
+    preset_name: str, dtype: torch.dtype, seed: int, keep: Keep | None = None
 ) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
     arch = preset(preset_name)
     gen = torch.Generator().manual_seed(seed)
@@ -102,6 +137,8 @@ def _load_dummy(
             # Scaled so activations stay O(1) through many layers: logits neither explode nor vanish.
             std = 0.02 if name.endswith("embed_tokens.weight") else (1.0 / shape[-1]) ** 0.5
             weights[name] = (torch.randn(shape, generator=gen) * std).to(dtype)
+        if keep is not None:  # drawn whole (the same numbers at every size), then cut
+            weights[name] = keep(name, weights[name])
     eos = 2
     arch = ArchConfig(**{**arch.__dict__, "eos_token_ids": (eos,), "bos_token_id": 1})
     return (
@@ -112,11 +149,7 @@ def _load_dummy(
     )
 
 
-def _load_hf_dir(
-    path: Path, dtype: torch.dtype
-) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
-    from safetensors.torch import load_file
-
+def _read_hf_config(path: Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -124,17 +157,31 @@ def _load_hf_dir(
         cfg: dict[str, Any] = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {cfg_path}: {exc}") from exc
-    arch = ArchConfig.from_hf_config(cfg)
+    return cfg
+
+
+def _load_hf_dir(
+    path: Path, dtype: torch.dtype, keep: Keep | None = None
+) -> tuple[str, ArchConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors import safe_open
+
+    arch = ArchConfig.from_hf_config(_read_hf_config(path))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights (pytorch .bin files are not supported)")
     weights: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    cut = keep or (lambda _, t: t)
     try:
-        for f in files:
-            weights |= {k: v.to(dtype) for k, v in load_file(str(f)).items()}
+        for f in files:  # one tensor at a time, so a shard never needs the whole model in memory
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    t = st.get_tensor(k)
+                    shapes[k] = tuple(t.shape)
+                    weights[k] = cut(k, t.to(dtype))
     except Exception as exc:
         raise ModelLoadError(f"cannot read weights in {path}: {exc}") from exc
-    check_weights(arch, {k: tuple(v.shape) for k, v in weights.items()}, str(path))
+    check_weights(arch, shapes, str(path))
     tok = _load_hf_tokenizer(path, arch)
     return path.name, arch, weights, tok
 

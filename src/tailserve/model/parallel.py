@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -160,6 +160,9 @@ class TensorParallel:
         self.rank = rank
         self.size = split.size
         self.split = split
+        self.arch = arch  # the whole model's shapes; `local_arch` is this rank's
+        self.local_arch = local_arch(arch, split, rank)
+        self.port = 0  # the group's TCP rendezvous port on the loopback
         self.device = device
         self.vocab_size = arch.vocab_size
         self.vocab_start, self.vocab_stop = vocab_range(arch.vocab_size, split.size, rank)
@@ -178,6 +181,19 @@ class TensorParallel:
     def is_driver(self) -> bool:
         """Rank 0: schedules, sends plans, samples."""
         return self.rank == 0
+
+    # ----- this rank's shard of each weight (applied as the weights load) -----------------------
+    def keep(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a Hugging Face-named dense tensor (all of it if replicated)."""
+        return shard_tensor(t, shard_range(name, self.arch, self.split, self.rank))
+
+    def keep_int4(self, name: str, groups: Int4Groups) -> Int4Groups:
+        """This rank's int4 groups of a weight, cut on group boundaries."""
+        return shard_int4(groups, shard_range(name, self.arch, self.split, self.rank))
+
+    def keep_int8_rows(self, name: str, groups: Int8Groups) -> Int8Groups:
+        """This rank's vocabulary rows of the LM head's Q8_0 groups."""
+        return shard_int8_rows(groups, shard_range(name, self.arch, self.split, self.rank))
 
     # ----- collectives of a step --------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -315,19 +331,21 @@ def join_group(rank: int, size: int, port: int, device: torch.device) -> None:
     )
 
 
-def start_group(
+def start_workers(
     arch: ArchConfig,
     split: TensorParallelSplit,
     device: torch.device,
     worker_main: Callable[..., None],
     worker_args: tuple[Any, ...],
 ) -> TensorParallel:
-    """Rank 0: start N-1 worker processes (spawned), join the group with them, watch them."""
+    """Rank 0: start N-1 worker processes (spawned); they load their shards while rank 0 loads its
+    own, then everyone meets in `join_workers`."""
     if dist.is_initialized():
         raise ConfigError("a tensor-parallel engine is already running in this process; close it first")
     ctx = mp.get_context("spawn")
     port = _free_port()
     tp = TensorParallel(0, arch, split, device)
+    tp.port = port
     for rank in range(1, split.size):
         child, parent = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         proc = ctx.Process(
@@ -341,35 +359,10 @@ def start_group(
         tp.workers.append(proc)
         tp.plan_pipes.append(parent)
         log.info("started tensor-parallel worker rank %d (pid %d)", rank, proc.pid)
-    try:
-        join_group(0, split.size, port, device)
-    except Exception:
-        tp.close()
-        raise
-    threading.Thread(target=tp._watch, name="tp-watchdog", daemon=True).start()
     return tp
 
 
-def shard_for(
-    tp: TensorParallel | None,
-    arch: ArchConfig,
-    weights: Mapping[str, torch.Tensor],
-    int4: Mapping[str, Int4Groups],
-    head_weight: torch.Tensor | None,
-    head_int8: Int8Groups | None,
-    head_name: str,
-) -> tuple[
-    ArchConfig, dict[str, torch.Tensor], dict[str, Int4Groups], torch.Tensor | None, Int8Groups | None
-]:
-    """Every weight the model is built from, cut to this rank's shard (unchanged without TP)."""
-    if tp is None:
-        return arch, dict(weights), dict(int4), head_weight, head_int8
-    split, rank = tp.split, tp.rank
-    head_where = shard_range(head_name, arch, split, rank)
-    return (
-        local_arch(arch, split, rank),
-        {n: shard_tensor(w, shard_range(n, arch, split, rank)) for n, w in weights.items()},
-        {n: shard_int4(g, shard_range(n, arch, split, rank)) for n, g in int4.items()},
-        None if head_weight is None else shard_tensor(head_weight, head_where),
-        None if head_int8 is None else shard_int8_rows(head_int8, head_where),
-    )
+def join_workers(tp: TensorParallel) -> None:
+    """Rank 0: form the group with the workers, then watch them for the rest of the group's life."""
+    join_group(0, tp.size, tp.port, tp.device)
+    threading.Thread(target=tp._watch, name="tp-watchdog", daemon=True).start()
