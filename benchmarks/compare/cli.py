@@ -34,7 +34,7 @@ from peers import envs
 from peers.launch import Limits
 
 from compare import plan as planning
-from compare import report
+from compare import report, stats
 from compare.analyze import Slo
 from compare.run import OTHER_SERVERS, REFERENCE, SERVERS, Context, calibrate, measure, soak
 from compare.store import Store
@@ -259,6 +259,7 @@ def run_soaks(ctx: Context, keys: Sequence[str], args: argparse.Namespace) -> No
         if not rate:
             ctx.store.log(f"{key}: no long-tail capacity saved and no --soak-rate: soak skipped")
             continue
-        # Windows of at least 300 requests and 5 minutes (quick: a third of the run).
-        window_s = duration_s / 3 if args.quick else max(300.0, 300 / rate)
+        # Windows of at least 5 minutes and enough requests for a bounded P99 interval (368 >= the
+        # issue's 300; quick: a third of the run).
+        window_s = duration_s / 3 if args.quick else max(300.0, stats.min_count_bounded(planning.P99) / rate)
         soak(ctx, key, workload, slo, round(rate, 4), duration_s, window_s)

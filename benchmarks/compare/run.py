@@ -318,6 +318,8 @@ def measure(
         if note:
             store.log(f"{key}/{workload.name}: {note}")
         capacity, above = planning.capacity_bracket(probes)
+        if capacity and above is None and not note:
+            note = f"no probe failed up to {capacity:g} req/s (probe limit or --rate-max): capacity is a lower bound"
         store.log(f"{key}/{workload.name}: capacity {capacity:g} req/s (next failing probe: {above})")
         ref = None if key == REFERENCE else reference_rate
         kept, dropped = planning.rate_points(capacity, ref, sizes, drain_s, spent)

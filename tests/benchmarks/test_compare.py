@@ -304,3 +304,14 @@ def test_slo_is_set_from_the_fastest_calibration_and_frozen(tmp_path: Path) -> N
     store.save({"idle_ttft_longest_s": 0.5}, "hf-cb", "longtail", "calibration")  # a server added later
     again = frozen_slo(store, plan.LONGTAIL, ["ts-slo", "vllm", "llamacpp", "hf-cb"], args)
     assert again == slo  # the saved SLO stands, so resumed points stay comparable
+
+
+@pytest.mark.parametrize("n", [368, 500, 1000, 3000])
+@pytest.mark.parametrize("q", [0.5, 0.9, 0.99])
+def test_intervals_agree_with_tailserve_bench_where_both_tails_exist(n: int, q: float) -> None:
+    # The harness imports nothing from tailserve (it drives it over HTTP); its intervals must still
+    # be the bench's: equal-tailed order statistics. (Below 368 values the bench closes a P99 at the
+    # maximum with a one-sided bound; the harness calls it open, and never sizes a point that small.)
+    from tailserve.bench.intervals import order_stat_ranks
+
+    assert stats.order_stat_ranks(n, q) == order_stat_ranks(n, 100 * q)
