@@ -49,7 +49,7 @@ def _check_schema(text: str) -> None:
 def test_json_schema_holds_at_temperature_one_across_seeds(llm: LLM) -> None:
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
     prompt = _chat(llm, "Describe a fruit as JSON.")
-    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=s, grammar=spec) for s in range(8)]
+    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=s, grammar=spec) for s in range(4)]
     outs = llm.generate([prompt] * len(params), params)
     for out in outs:
         assert out.finish_reason == "stop", out.text

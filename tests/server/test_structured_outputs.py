@@ -168,3 +168,21 @@ def test_bad_specs_are_a_400_naming_the_field_and_change_nothing(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     after = engine_state(base)
     assert after == before and after["tailserve_requests_running"] == after["tailserve_kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_of_n_choices_keeps_its_own_grammar_state(base: str, stream: bool) -> None:
+    c = client(base)
+    args: dict[str, Any] = dict(
+        model=MODEL, prompt="Code:", max_tokens=12, temperature=1.0, seed=3, n=3,
+        extra_body={"structured_outputs": {"regex": r"[a-z]{3}-[0-9]{2}"}},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    if stream:
+        for ch in c.completions.create(**args, stream=True):
+            for choice in ch.choices:
+                texts[choice.index] += choice.text
+    else:
+        texts = [ch.text for ch in sorted(c.completions.create(**args).choices, key=lambda ch: ch.index)]
+    assert all(re.fullmatch(r"[a-z]{3}-[0-9]{2}", t) for t in texts), texts
+    assert len(set(texts)) > 1, texts
