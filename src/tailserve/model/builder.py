@@ -96,6 +96,9 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
         return _build_rank(mc, cc, loaded, weight_format, device, None, choice.gate)
     from tailserve.model import parallel, tp_worker
 
+    if device.type == "cuda":  # rank r on GPU r (NCCL wants each rank's device set before the group)
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
     arch = loaded.arch if loaded else read_arch(mc.model)
     split = parallel.check_shardable(arch, size, weight_format)  # refused before any worker starts
     log.info("%s", split.describe())

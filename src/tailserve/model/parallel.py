@@ -283,11 +283,13 @@ class TensorParallel:
         if self.closing:
             return
         gone = [p for p in self.workers if not p.is_alive()]
-        reason = ", ".join(f"{p.name} exited with status {p.exitcode}" for p in gone)
-        self.dead = self.dead or f"tensor-parallel worker died ({reason})"
-        log.error("%s: failing in-flight requests", self.dead)
+        reason = "tensor-parallel worker died ({})".format(
+            ", ".join(f"{p.name} exited with status {p.exitcode}" for p in gone)
+        )
+        self.dead = self.dead or reason  # a collective may have noticed first
+        log.error("%s: failing in-flight requests", reason)
         for callback in self._on_death:
-            callback(self.dead)
+            callback(reason)
 
     def close(self) -> None:
         """Stop the workers (they finish the message in hand) and leave the group. Idempotent."""
