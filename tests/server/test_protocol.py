@@ -90,9 +90,6 @@ def test_message_errors_point_into_the_list() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"echo": True}, "echo"),
-        ({"best_of": 3}, "best_of"),
-        ({"suffix": "x"}, "suffix"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )

@@ -131,6 +131,7 @@ class EngineInput:
     stream: bool
     include_usage: bool
     shares_prompt: bool = False  # one of n > 1 choices after the first: its prompt is counted once
+    echo_text: str | None = None  # `echo`: the prompt's text, put before the completion's
 
 
 MAX_N = 16  # choices per prompt
@@ -142,6 +143,20 @@ def choices_per_prompt(req: _CommonRequest) -> int:
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
     return n
+
+
+def candidates_per_prompt(req: _CommonRequest, n: int) -> int:
+    """`best_of` (completions): how many run per prompt, the n with the highest cumulative logprob
+    returned; n to MAX_N, never streamed (as OpenAI)."""
+    if not isinstance(req, CompletionRequest) or req.best_of is None:
+        return n
+    if not n <= req.best_of <= MAX_N:
+        raise InvalidRequestError(
+            f"'best_of' must be in [n, {MAX_N}] (n is {n}), got {req.best_of}", "best_of"
+        )
+    if req.stream and req.best_of > 1:
+        raise InvalidRequestError("'best_of' cannot be used with stream=true", "best_of")
+    return req.best_of
 
 
 def fan_out(
@@ -198,12 +213,6 @@ def _reject_unsupported(req: _CommonRequest) -> None:
     checks: list[tuple[str, bool]] = [
         ("stream_options", req.stream_options is not None and not req.stream),
     ]
-    if isinstance(req, CompletionRequest):
-        checks += [
-            ("echo", req.echo),
-            ("best_of", req.best_of not in (None, 1)),
-            ("suffix", req.suffix is not None),
-        ]
     if isinstance(req, ChatCompletionRequest):
         checks += [
             ("functions", bool(req.functions)),
@@ -218,19 +227,26 @@ def _reject_unsupported(req: _CommonRequest) -> None:
 MAX_PROMPTS = 64  # prompts in one /v1/completions request; each runs as its own engine request
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
-    """A string, a list of token ids, or a list of either (one choice each, in order)."""
+def _listed_prompts(req: CompletionRequest) -> list[Any]:
+    """The prompt as a list of prompts (a string or a list of token ids each)."""
     prompt: Any = req.prompt
-    prompts = (
-        prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
-    )
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """A string, a list of token ids, or a list of either (one choice each, in order); with `suffix`,
+    each in the model's fill-in-the-middle order."""
+    prompts = _listed_prompts(req)
     if len(prompts) > MAX_PROMPTS:
         raise InvalidRequestError(
             f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}", "prompt"
         )
+    fim = fim_tokens(tokenizer, req) if req.suffix is not None else None
     out = []
     for i, one in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if fim is not None:
+            one = f"{fim[0]}{one}{fim[1]}{req.suffix}{fim[2]}"  # prefix, suffix, then the middle is generated
         ids = tokenizer.encode(one) if isinstance(one, str) else list(one)
         if not ids:
             raise InvalidRequestError(f"'{param}' must not be empty", param)
@@ -238,6 +254,38 @@ def completion_prompt_ids(req: CompletionRequest, tokenizer: Tokenizer) -> list[
             raise InvalidRequestError(f"'{param}' token ids must be non-negative", param)
         out.append(ids)
     return out
+
+
+# Fill-in-the-middle markers: StarCoder / SantaCoder / DeepSeek-style, then Qwen2.5-Coder's.
+FIM_TOKENS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
+
+
+def fim_tokens(tokenizer: Tokenizer, req: CompletionRequest) -> tuple[str, str, str]:
+    """The model's (prefix, suffix, middle) markers, each one token of its vocabulary; else a 400 naming suffix."""
+    if req.echo:
+        raise InvalidRequestError("'suffix' cannot be combined with echo", "suffix")
+    if not all(isinstance(p, str) for p in _listed_prompts(req)):
+        raise InvalidRequestError("'suffix' needs a text prompt, not token ids", "suffix")
+    empty = tokenizer.encode("")  # a BOS the tokenizer adds to every text
+    for names in FIM_TOKENS:
+        if all(tokenizer.encode(t) == [*empty, tokenizer.encode(t)[-1]] for t in names):
+            return names
+    raise UnsupportedParameterError(
+        "Parameter 'suffix' needs a model with fill-in-the-middle tokens "
+        f"({', '.join(FIM_TOKENS[0])}); this model's vocabulary has none",
+        "suffix",
+    )
+
+
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer: Tokenizer) -> list[str]:
+    """`echo`: each prompt as the client sent it (token ids decoded)."""
+    return [
+        one if isinstance(one, str) else tokenizer.decode(ids)
+        for one, ids in zip(_listed_prompts(req), prompts, strict=True)
+    ]
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -320,6 +368,11 @@ def sampling_params(
             raise ContextLengthExceededError(
                 message, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             )
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if max_tokens == 0 and not echo:
+        raise InvalidRequestError(
+            f"'{max_param}' must be at least 1 (0 only with echo, to score the prompt)", max_param
+        )
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise InvalidRequestError(
             f"Invalid value for 'seed': must be in [-2**63, 2**64 - 1], got a {req.seed.bit_length()}-bit number",
@@ -347,6 +400,7 @@ def sampling_params(
             min_tokens=req.min_tokens or 0,
             logprobs=_logprobs(req),
             grammar=request_grammar(req),
+            prompt_logprobs=_prompt_logprobs(req, max_tokens),
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":
@@ -438,6 +492,13 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             raise InvalidRequestError(f"Invalid key in 'logit_bias': {key!r} is not a token id", "logit_bias")
         pairs.append((int(key), value))
     return tuple(pairs)
+
+
+def _prompt_logprobs(req: _CommonRequest, max_tokens: int) -> int | None:
+    """echo with logprobs scores the prompt too (as vLLM); echo with max_tokens=0 runs the prompt only."""
+    if not isinstance(req, CompletionRequest) or not req.echo:
+        return None
+    return req.logprobs if req.logprobs is not None else (0 if max_tokens == 0 else None)
 
 
 def _logprobs(req: _CommonRequest) -> int | None:

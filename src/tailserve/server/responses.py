@@ -27,6 +27,7 @@ class Job:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every text chunk
     token_text: Callable[[int], str] | None = None  # set when the request asked for logprobs
     tool_calls: bool = False  # chat with tools: the output is parsed for <tool_call> blocks
+    best_of: tuple[int, int] | None = None  # (n, best_of) when best_of > n: candidates to rank
 
 
 def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
@@ -56,6 +57,36 @@ def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -
         "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(
+    job: Job, prompt_ids: Sequence[int], lps: Sequence[TokenLogprob]
+) -> dict[str, Any] | None:
+    """`echo`: the legacy logprobs of the prompt's tokens; the first has no context, so its logprob
+    and top_logprobs are null (as OpenAI and vLLM). None when the request did not ask."""
+    text = job.token_text
+    if text is None or not prompt_ids:
+        return None
+    first = text(prompt_ids[0])
+    rest = logprobs_json(job, lps, len(first)) or {}
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def add_echo(
+    job: Job, choice: dict[str, Any], echo_text: str, prompt_ids: Sequence[int], out: RequestOutput
+) -> None:
+    """Put the prompt before a non-streamed completion choice: its text, and its logprobs when asked
+    (the generated tokens' text_offset then counts from the end of the prompt's text)."""
+    choice["text"] = echo_text + choice["text"]
+    head = prompt_logprobs_json(job, prompt_ids, out.prompt_logprobs)
+    if head is not None:
+        tail = logprobs_json(job, out.logprobs, len(echo_text)) or {}
+        choice["logprobs"] = {key: head[key] + tail[key] for key in head}
 
 
 def usage(

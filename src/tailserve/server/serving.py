@@ -11,13 +11,13 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tailserve.engine.request import RequestOutput, SloTarget, TokenLogprob
+from tailserve.engine.request import RequestOutput, SamplingParams, SloTarget, TokenLogprob
 from tailserve.server.admission import Admission, Ticket
 from tailserve.server.engine_api import Engine
 from tailserve.server.errors import ModelNotFoundError, to_http
@@ -29,9 +29,11 @@ from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EngineInput,
+    candidates_per_prompt,
     chat_prompt_ids,
     choices_per_prompt,
     completion_prompt_ids,
+    echo_texts,
     fan_out,
     parses_tool_calls,
     sampling_params,
@@ -40,11 +42,15 @@ from tailserve.server.protocol import (
 from tailserve.server.responses import (
     Job,
     Kind,
+    add_echo,
     choice_chunks,
     final_chunks,
     full_response,
     logprobs_json,
+    prompt_logprobs_json,
     role_chunk,
+    text_chunk,
+    usage,
     usage_chunks,
 )
 from tailserve.server.slo_classes import SloClasses
@@ -120,7 +126,15 @@ class Serving:
             tool_calls=parses_tool_calls(req),
         )
         n = choices_per_prompt(req)
-        return job, fan_out(prompts, all_params, n, job.request_id, req.stream, include_usage)
+        per_prompt = candidates_per_prompt(req, n)  # best_of
+        inputs = fan_out(prompts, all_params, per_prompt, job.request_id, req.stream, include_usage)
+        if isinstance(req, CompletionRequest) and req.echo:
+            texts = echo_texts(req, prompts, tokenizer)
+            inputs = [dataclasses.replace(x, echo_text=texts[i // per_prompt]) for i, x in enumerate(inputs)]
+        if per_prompt > n:  # candidates are ranked by cumulative logprob, so each one computes it
+            job = dataclasses.replace(job, best_of=(n, per_prompt))
+            inputs = [dataclasses.replace(x, params=_with_logprobs(x.params)) for x in inputs]
+        return job, inputs
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.model_name:
@@ -141,11 +155,12 @@ class Serving:
             ticket.started()
             if inp.stream:
                 handed_over = True  # from here the event stream owns the run and closes it
-                return SSEResponse(self._events(job, first, run), on_close=run.close, closing=closing)
+                events = self._events(job, first, run, inp.echo_text, inp.prompt_token_ids)
+                return SSEResponse(events, on_close=run.close, closing=closing)
             final = await until_disconnect(_last_output(first, run.gen), receive, closing)
             if final is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(full_response(job, final))
+            return JSONResponse(_body(job, [inp], [final]))
         finally:
             if not handed_over:
                 await run.close(final)
@@ -175,20 +190,25 @@ class Serving:
             if inputs[0].stream:
                 handed_over = True
                 counted = [not i.shares_prompt for i in inputs]
-                events = self._events_many(job, firsts, runs, counted)
+                events = self._events_many(job, firsts, runs, counted, inputs)
                 return SSEResponse(events, on_close=_close_all(runs), closing=closing)
             work = _all([_last_output(f, r.gen) for f, r in zip(firsts, runs, strict=True)])
             finals = await until_disconnect(work, receive, closing)
             if finals is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(full_response(job, finals, [not i.shares_prompt for i in inputs]))
+            return JSONResponse(_body(job, inputs, finals))
         finally:
             if not handed_over:
                 for i, run in enumerate(runs):
                     await run.close(finals[i] if finals is not None else None)
 
     async def _events_many(
-        self, job: Job, firsts: list[RequestOutput], runs: list[_Run], prompt_counted: list[bool]
+        self,
+        job: Job,
+        firsts: list[RequestOutput],
+        runs: list[_Run],
+        prompt_counted: list[bool],
+        inputs: list[EngineInput],
     ) -> AsyncGenerator[bytes, None]:
         """SSE events of several choices as they come, each chunk naming its choice's index."""
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
@@ -206,6 +226,10 @@ class Serving:
         tools = [ToolCallStream() if job.tool_calls else None for _ in runs]  # a parser per choice
         finals: list[RequestOutput | None] = [None] * len(runs)
         try:
+            for i, (inp, first) in enumerate(zip(inputs, firsts, strict=True)):
+                if inp.echo_text is not None:
+                    lps = prompt_logprobs_json(job, inp.prompt_token_ids, first.prompt_logprobs)
+                    yield sse_event(text_chunk(job, inp.echo_text, None, None, lps, i))
             while any(f is None for f in finals):
                 i, out = await queue.get()
                 if isinstance(out, Exception):
@@ -231,8 +255,16 @@ class Serving:
             for run, final in zip(runs, finals, strict=True):
                 await run.close(final)
 
-    async def _events(self, job: Job, first: RequestOutput, run: _Run) -> AsyncGenerator[bytes, None]:
-        """SSE events from the first output to [DONE]; an engine error mid-stream becomes an error event."""
+    async def _events(
+        self,
+        job: Job,
+        first: RequestOutput,
+        run: _Run,
+        echo_text: str | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """SSE events from the first output to [DONE]; an engine error mid-stream becomes an error event.
+        With `echo_text`, the first chunk is the prompt (and its logprobs when asked)."""
         out: RequestOutput | None = first
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
         offset = 0  # legacy completions' text_offset of the next token
@@ -240,6 +272,10 @@ class Serving:
         try:
             if job.kind == "chat":
                 yield sse_event(role_chunk(job))
+            if echo_text is not None:
+                lps = prompt_logprobs_json(job, prompt_ids or [], first.prompt_logprobs)
+                yield sse_event(text_chunk(job, echo_text, None, None, lps))
+                offset = len(echo_text)
             while out is not None and not out.finished:
                 pending += out.new_logprobs
                 if out.new_text:
@@ -299,6 +335,31 @@ class _Run:
                 await aclose()
         finally:
             self.ticket.done()
+
+
+def _with_logprobs(params: SamplingParams) -> SamplingParams:
+    """best_of ranks by cumulative logprob: computed even where the client did not ask (then not shown)."""
+    return params if params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+
+
+def _body(job: Job, inputs: Sequence[EngineInput], finals: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The non-streamed body: with best_of, each prompt's n candidates of highest cumulative logprob,
+    best first (usage counts every candidate's tokens); with echo, each choice's prompt before it."""
+    chosen = list(range(len(finals)))
+    if job.best_of is not None:
+        n, per_prompt = job.best_of
+        chosen = []
+        for start in range(0, len(finals), per_prompt):
+            group = range(start, start + per_prompt)
+            chosen += sorted(group, key=lambda i: -sum(lp.logprob for lp in finals[i].logprobs))[:n]
+    counted = [not inputs[i].shares_prompt for i in chosen]
+    body = full_response(job, [finals[i] for i in chosen], counted)
+    if job.best_of is not None:
+        body["usage"] = usage(finals, [not x.shares_prompt for x in inputs])
+    for choice, i in zip(body["choices"], chosen, strict=True):
+        if (text := inputs[i].echo_text) is not None:
+            add_echo(job, choice, text, inputs[i].prompt_token_ids, finals[i])
+    return body
 
 
 async def _all(work: list[Awaitable[RequestOutput]]) -> list[RequestOutput]:
