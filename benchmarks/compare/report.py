@@ -487,6 +487,16 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
             f"SLO: P99 TTFT <= {slo['ttft_s']:g} s, P99 TPOT <= {slo['tpot_s'] * 1000:g} ms, errors <= "
             f"{slo['error_rate']:.0%}. {slo['basis']}.",
             "",
+            *(
+                [
+                    "Prefix caching is on for every server that has it (flags below): the idle line is of "
+                    "uncached prompts, so a mostly cached prompt shows slowdown < 1 and a negative queue delay; "
+                    "`cached prompt` is the share of prompt tokens the server reported cached.",
+                    "",
+                ]
+                if workload.prefix_caching
+                else []
+            ),
             "### Calibration (idle, one request at a time)",
             *calibration_table(store, name),
             "",
