@@ -41,6 +41,8 @@ def _chat(content: Any) -> dict[str, Any]:
     return {"model": TINY, "messages": [{"role": "user", "content": content}]}
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 BAD_INPUTS: list[BadInput] = [
     BadInput("truncated json", b'{"model": "dummy-tiny", "prompt": ', 400),
     BadInput("invalid utf-8", b'{"model": "dummy-tiny", "prompt": "\xff\xfe"}', 400),
@@ -88,10 +90,33 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("user content null", _chat(None), 400, "messages[0].content", "/v1/chat/completions"),
     BadInput("user content []", _chat([]), 400, "messages[0].content", "/v1/chat/completions"),
     BadInput(
-        "tools",
+        "tool without a function",
         {"model": TINY, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
         400,
-        "tools",
+        "tools[0]",
+        "/v1/chat/completions",
+    ),
+    BadInput(
+        "tool_choice names an unknown tool",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
+         "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        400,
+        "tool_choice",
+        "/v1/chat/completions",
+    ),
+    BadInput(
+        "tool message without tool_call_id",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]},
+        400,
+        "messages[1].tool_call_id",
+        "/v1/chat/completions",
+    ),
+    BadInput(
+        "malformed json schema",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+        400,
+        "response_format.json_schema.schema",
         "/v1/chat/completions",
     ),
     BadInput("no role", {"model": TINY, "messages": [{"content": "x"}]}, 400, "messages[0].role", "/v1/chat/completions"),
