@@ -73,3 +73,33 @@ def test_prompt_rows_are_scored_against_the_next_prompt_token(
             assert abs(value - float(ref[i, token])) < tol
     assert rest.sampling.logprob_result is not None  # the sampled row keeps its own logprobs
     assert abs(rest.sampling.logprob_result[0] - float(ref[p - 1].max())) < tol
+
+
+def test_prompt_logprobs_under_tensor_parallelism_equal_one_rank() -> None:
+    """Every rank gathers the scored rows too (the plan carries their count), so TP=2 answers as TP=1."""
+    from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from tailserve.engine import LLM, SamplingParams
+
+    def llm(size: int) -> LLM:
+        model = ModelConfig(
+            model="dummy:tiny", weight_format="fp32", device="cpu", max_model_len=128, num_threads=1,
+            tensor_parallel_size=size,
+        )  # fmt: skip
+        cache = CacheConfig(kv_cache_memory_bytes=8 << 20, block_size=16)
+        return LLM(
+            config=EngineConfig(
+                model=model, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)
+            )
+        )
+
+    prompt = [1, *range(20, 60)]  # three chunks of 16
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    want = llm(1).generate([prompt], params)[0].prompt_logprobs
+    tp = llm(2)
+    try:
+        got = tp.generate([prompt, prompt[:7]], params)
+    finally:
+        tp.engine.runner.close()
+    assert [lp.token_id for lp in got[0].prompt_logprobs] == prompt[1:] and len(got[1].prompt_logprobs) == 6
+    for g, w in zip(got[0].prompt_logprobs, want, strict=True):
+        assert abs(g.logprob - w.logprob) < 1e-4 and [t for t, _ in g.top] == [t for t, _ in w.top]

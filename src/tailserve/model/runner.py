@@ -230,18 +230,26 @@ class ModelRunner:
         return input_ids, positions_t, meta, logits_rows
 
 
-PlanChunk = tuple[list[int], int, list[int], bool, bool]  # token_ids, start_pos, block_table, sample, decode
+# token_ids, start_pos, block_table, sample, decode, number of prompt rows scored (echo)
+PlanChunk = tuple[list[int], int, list[int], bool, bool, int]
 
 
 def plan_message(chunks: list[SeqChunk]) -> list[PlanChunk]:
-    """What a tensor-parallel worker needs of a step: everything but the sampling (rank 0 samples)."""
-    return [(c.token_ids, c.start_pos, c.block_table, c.sample, c.decode) for c in chunks]
+    """What a tensor-parallel worker needs of a step: everything but the sampling (rank 0 samples).
+    The scored rows count too: every rank gathers the same logits rows."""
+    return [
+        (c.token_ids, c.start_pos, c.block_table, c.sample, c.decode, len(c.prompt_targets)) for c in chunks
+    ]
 
 
 def chunks_from_plan(plan: list[PlanChunk]) -> list[SeqChunk]:
-    """A worker's chunks, rebuilt from `plan_message` (greedy sampling specs that are never used)."""
+    """A worker's chunks, rebuilt from `plan_message` (greedy sampling specs and prompt targets that
+    are never used: rank 0 scores)."""
     unused = SamplingSpec()
-    return [SeqChunk(ids, start, table, sample, unused, decode) for ids, start, table, sample, decode in plan]
+    return [
+        SeqChunk(ids, start, table, sample, unused, decode, prompt_targets=[0] * scored)
+        for ids, start, table, sample, decode, scored in plan
+    ]
 
 
 def _scored_rows(chunks: list[SeqChunk]) -> list[int]:
