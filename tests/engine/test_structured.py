@@ -150,3 +150,12 @@ def test_length_bounded_strings_admit_no_raw_control_characters() -> None:
     allowed = {t - 3 for t in range(3, 259) if int(words[t // 32]) >> (t % 32) & 1}
     assert ord("x") in allowed and ord('"') in allowed  # a character, or the end of the string
     assert not allowed & set(range(32)) and ord("\\") not in allowed
+
+
+def test_min_tokens_does_not_hold_a_complete_grammar_open(llm: LLM) -> None:
+    """min_tokens bans the end token, but a finished choice can only end: the grammar wins."""
+    spec = GrammarSpec("choice", json.dumps(["yes", "no"]))
+    params = SamplingParams(max_tokens=20, min_tokens=10, temperature=1.0, seed=2, grammar=spec)
+    (out,) = llm.generate([_chat(llm, "Yes or no?")], params)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert not llm.engine.has_unfinished()

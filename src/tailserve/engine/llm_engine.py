@@ -247,10 +247,11 @@ def _record_prompt_logprobs(req: Request, chunk: SeqChunk) -> None:
 
 
 def _sampling_spec(req: Request, eos_ids: Iterable[int]) -> SamplingSpec:
-    """The sampler's view of a request this step; end and stop tokens are banned until min_tokens."""
+    """The sampler's view of a request this step; end and stop tokens are banned until min_tokens
+    (not under a grammar: once it is complete its end token may be the only one left)."""
     p = req.params
     banned: tuple[int, ...] = ()
-    if req.num_output_tokens < p.min_tokens:
+    if req.num_output_tokens < p.min_tokens and req.grammar is None:
         banned = p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids))
     return SamplingSpec(
         p.temperature,
