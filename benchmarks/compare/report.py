@@ -53,8 +53,21 @@ half of capacity) within a budget of 3 h per server and workload (`--budget-h`; 
 are listed with the time they would have taken). A probe or point takes requests / rate seconds, so
 duration grows as capacity falls: about 1.5-2.5 h per server and workload at 0.5-1 req/s, i.e.
 ~10-20 h for five servers and two workloads (`--workloads longtail` first carries most targets),
-plus ~40 min per soak. `--quick` (12 requests a point, tailserve + llama.cpp) checks the harness in
-minutes; its numbers carry no verdict.
+plus ~40 min per soak. The soak's windows are max(5 min, 368 requests / rate) long, so that each
+window's P99 has a bounded interval: below ~0.6 req/s a 30-minute soak has fewer than 3 windows
+(`--soak-min 60` then). `--quick` (12 requests a point, tailserve + llama.cpp) checks the harness
+in minutes; its numbers carry no verdict.
+
+The SLO of each workload, set from phase 1 and frozen: P99 TTFT <= 1.5 x the fastest server's idle
+TTFT of the workload's longest prompt (1650 tokens long-tail, 1424 multi-turn), the tightest target
+some server meets when idle (a server slower than that at prefill cannot meet it even alone: its
+search is skipped and says so); P99 TPOT <= 100 ms; at most 1% errors, 429s included.
+`--slo-factor`, `--slo-ttft` and `--slo-tpot-ms` change it before it is frozen.
+
+Servers and prefix caching (on only in the multi-turn workload): tailserve without
+`--no-prefix-caching` (hashed full KV blocks), vLLM `--enable-prefix-caching`, llama.cpp
+`cache_prompt` per slot plus a 256 MiB host prompt cache, `transformers serve --continuous-batching`
+with its block sharing left on; in the long-tail workload all of them run with it off.
 """
 
 
