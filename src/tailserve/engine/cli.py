@@ -28,6 +28,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)  # old spelling of --weight-format
     p.add_argument("--device", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over N processes")
     p.set_defaults(func=_generate)
 
 
@@ -53,8 +54,12 @@ def _generate(args: argparse.Namespace) -> int:
             force_weight_format=args.force_weight_format,
             dtype=args.dtype,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
-        outputs = llm.generate(args.prompts, params, chat=args.chat)
+        try:
+            outputs = llm.generate(args.prompts, params, chat=args.chat)
+        finally:
+            llm.close()
     except TailserveError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
