@@ -10,6 +10,7 @@ Never schedules and never samples.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -348,6 +349,9 @@ def start_workers(
     port = _free_port()
     tp = TensorParallel(0, arch, split, device)
     tp.port = port
+    # Before multiprocessing's own exit hook joins the (non-daemon) workers, which would wait forever
+    # on a plan pipe this process still holds open: a script that never calls close() still exits.
+    atexit.register(tp.close)
     for rank in range(1, split.size):
         child, parent = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         proc = ctx.Process(
