@@ -7,6 +7,7 @@ promises), so it needs nothing from `tailserve bench` beyond the documented rows
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
@@ -71,7 +72,7 @@ def read_rows(jsonl: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with jsonl.open() as f:
         for line in f:
-            if line.strip():
+            with contextlib.suppress(ValueError):  # a last line cut short by a killed bench
                 rows.append(json.loads(line))
     return rows
 

@@ -262,4 +262,7 @@ def run_soaks(ctx: Context, keys: Sequence[str], args: argparse.Namespace) -> No
         # Windows of at least 5 minutes and enough requests for a bounded P99 interval (368 >= the
         # issue's 300; quick: a third of the run).
         window_s = duration_s / 3 if args.quick else max(300.0, stats.min_count_bounded(planning.P99) / rate)
-        soak(ctx, key, workload, slo, round(rate, 4), duration_s, window_s)
+        try:
+            soak(ctx, key, workload, slo, round(rate, 4), duration_s, window_s)
+        except RuntimeError as exc:  # the server did not start: say so, go on with the next
+            ctx.store.log(f"{key}: soak failed: {exc}")
