@@ -22,8 +22,7 @@ pytest.importorskip("lm_eval")
 CAPITALS = [
     ("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
     ("Egypt", "Cairo"), ("Greece", "Athens"), ("Portugal", "Lisbon"), ("Austria", "Vienna"),
-    ("Norway", "Oslo"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Turkey", "Ankara"),
-    ("Peru", "Lima"), ("Hungary", "Budapest"),
+    ("Norway", "Oslo"), ("Kenya", "Nairobi"),
 ]  # fmt: skip
 
 RUN_LM_EVAL = """
@@ -32,7 +31,7 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 
 base_url, model, tokenizer, tasks = sys.argv[1:5]
-args = f"model={model},base_url={base_url},tokenizer_backend=huggingface,tokenizer={tokenizer},batch_size=16,max_retries=1"
+args = f"model={model},base_url={base_url},tokenizer_backend=huggingface,tokenizer={tokenizer},batch_size=32,max_retries=1"
 res = lm_eval.simple_evaluate(
     model="local-completions", model_args=args, tasks=["ts_mc"], task_manager=TaskManager(include_path=tasks, include_defaults=False),
     log_samples=True,
@@ -53,7 +52,7 @@ def _dataset() -> list[dict[str, object]]:
         docs.append(
             {"question": f"The capital of {country} is", "choices": choices, "answer": choices.index(capital)}
         )
-    for _ in range(15):
+    for _ in range(len(CAPITALS)):
         a, b = rng.randint(3, 9), rng.randint(3, 9)
         wrong = rng.sample([x for x in range(9, 82) if x != a * b], 3)
         choices = [str(x) for x in [*wrong, a * b]]
