@@ -129,7 +129,7 @@ def build_worker_runner(
     arch = read_arch(mc.model)
     tp = parallel.TensorParallel(rank, arch, parallel.check_shardable(arch, size, weight_format), device)
     loaded = _load(mc, weight_format, device, tp.keep)
-    parallel.join_group(rank, size, port, device)
+    tp.join(port)
     return _build_rank(mc, cc, loaded, weight_format, device, tp, None)
 
 

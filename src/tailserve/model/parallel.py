@@ -177,6 +177,21 @@ class TensorParallel:
         self.dead: str | None = None  # why the group cannot run another step
         self.closing = False
         self._on_death: list[Callable[[str], None]] = []
+        self.group: Any = None  # the steps' process group (its own, shorter timeout)
+
+    def join(self, port: int) -> None:
+        """Meet the other ranks over TCP on the loopback (one node). The rendezvous waits up to
+        JOIN_TIMEOUT_S for the slowest rank to load; the steps' collectives then run on a group of
+        their own that gives up after COLLECTIVE_TIMEOUT_S, so a hung rank cannot hang the server."""
+        backend = backend_for(self.device)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=self.rank,
+            world_size=self.size,
+            timeout=timedelta(seconds=JOIN_TIMEOUT_S),
+        )
+        self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
     @property
     def is_driver(self) -> bool:
@@ -200,7 +215,7 @@ class TensorParallel:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The float32 sum over ranks of `t` (row-parallel partial sums)."""
         x = t.contiguous() if t.dtype == torch.float32 else t.float()
-        self._collective(lambda: dist.all_reduce(x))
+        self._collective(lambda: dist.all_reduce(x, group=self.group))
         return x
 
     def embed(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -219,16 +234,16 @@ class TensorParallel:
             x = F.pad(x, (0, pad), value=float("-inf"))
         x = x.contiguous()
         if not self.is_driver:
-            self._collective(lambda: dist.gather(x, None, dst=0))
+            self._collective(lambda: dist.gather(x, None, dst=0, group=self.group))
             return logits
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._collective(lambda: dist.gather(x, parts, dst=0))
+        self._collective(lambda: dist.gather(x, parts, dst=0, group=self.group))
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (the KV pool's block count must agree)."""
         t = torch.tensor([value], dtype=torch.long, device=self.device)
-        self._collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        self._collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
         return int(t.item())
 
     def _collective(self, op: Callable[[], object]) -> None:
@@ -323,17 +338,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_group(rank: int, size: int, port: int, device: torch.device) -> None:
-    """Join the default process group over TCP on the loopback (one node)."""
-    dist.init_process_group(
-        backend_for(device),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S if rank else JOIN_TIMEOUT_S),
-    )
-
-
 def start_workers(
     arch: ArchConfig,
     split: TensorParallelSplit,
@@ -370,5 +374,5 @@ def start_workers(
 
 def join_workers(tp: TensorParallel) -> None:
     """Rank 0: form the group with the workers, then watch them for the rest of the group's life."""
-    join_group(0, tp.size, tp.port, tp.device)
+    tp.join(tp.port)
     threading.Thread(target=tp._watch, name="tp-watchdog", daemon=True).start()
