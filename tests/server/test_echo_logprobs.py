@@ -92,6 +92,14 @@ def test_echo_with_generated_tokens_streamed_and_not(smol_fp32: str, llm: LLM) -
     ] == [True] * 4
     firsts = [ch.logprobs.token_logprobs[: len(ids)] for ch in two.choices[:2] if ch.logprobs]
     assert firsts[0] == firsts[1]  # the forked choice carries the same prompt scores
+    streamed_two = c.completions.create(model=model, prompt=PROMPT, max_tokens=2, echo=True, n=2, stream=True)
+    by_index: dict[int, str] = {0: "", 1: ""}
+    for ch in streamed_two:
+        for part in ch.choices:
+            if not by_index[part.index]:
+                assert part.text == PROMPT  # each choice's stream starts with the prompt
+            by_index[part.index] += part.text
+    assert all(text.startswith(PROMPT) and len(text) > len(PROMPT) for text in by_index.values())
     assert_idle(smol_fp32)
 
 
