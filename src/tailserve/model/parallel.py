@@ -177,6 +177,7 @@ class TensorParallel:
         self.dead: str | None = None  # why the group cannot run another step
         self.closing = False
         self._on_death: list[Callable[[str], None]] = []
+        self._notified = False
         self.group: Any = None  # the steps' process group (its own, shorter timeout)
 
     def join(self, port: int) -> None:
@@ -257,8 +258,7 @@ class TensorParallel:
             if self.sync_timing:
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # gloo / NCCL report a lost peer as RuntimeError or DistBackendError
-            self.dead = self.dead or f"tensor-parallel collective failed: {exc}"
-            raise TensorParallelError(self.dead) from exc
+            raise TensorParallelError(self._fail(f"tensor-parallel collective failed: {exc}")) from exc
         finally:
             self.comm_s += time.perf_counter() - start
 
@@ -271,12 +271,12 @@ class TensorParallel:
             for pipe in self.plan_pipes:
                 pipe.send(message)
         except OSError as exc:
-            self.dead = self.dead or f"a tensor-parallel worker is gone: {exc}"
-            raise TensorParallelError(self.dead) from exc
+            raise TensorParallelError(self._fail(f"a tensor-parallel worker is gone: {exc}")) from exc
 
     # ----- lifecycle (rank 0) -----------------------------------------------------------------
     def on_worker_death(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(reason)` from the watchdog thread when a worker exits unasked."""
+        """Call `callback(reason)` once, on a thread of its own, when the group dies (a worker exits,
+        a collective fails or times out, a plan cannot be written)."""
         self._on_death.append(callback)
 
     def exit_process_on_worker_death(self) -> None:
@@ -302,10 +302,19 @@ class TensorParallel:
         reason = "tensor-parallel worker died ({})".format(
             ", ".join(f"{p.name} exited with status {p.exitcode}" for p in gone)
         )
-        self.dead = self.dead or reason  # a collective may have noticed first
         log.error("%s: failing in-flight requests", reason)
-        for callback in self._on_death:
-            callback(reason)
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> str:
+        """The group is dead (a worker exited, hung past the timeout, or its pipe broke): remember the
+        first reason, run the death callbacks once on a thread of their own, return the reason."""
+        if self.dead is None:
+            self.dead = reason
+        if not self._notified and not self.closing:
+            self._notified = True
+            callbacks = list(self._on_death)
+            threading.Thread(target=lambda: [cb(reason) for cb in callbacks], daemon=True).start()
+        return self.dead
 
     def close(self) -> None:
         """Stop the workers (they finish the message in hand) and leave the group. Idempotent."""
