@@ -82,6 +82,9 @@ def test_bench_run_against_live_server(live_server: str, tmp_path: Path) -> None
     # RSS from the process gauges, sampled at the start, the end of warm-up (request 5's due time), the end.
     assert all(samples[k]["rss_bytes"] > 0 for k in ("start", "warmup_end", "end"))
     assert samples["rss_growth_after_warmup"] is not None
+    # The engine worked during the measured window, and no tensor parallelism means no all-reduce share.
+    window = samples["engine_window"]
+    assert 0.0 < window["busy_share"] <= 1.0 and window["tp_comm_share"] is None
     html = out.with_suffix(".html")
     assert html.exists()
     if CHROMIUM:

@@ -127,6 +127,9 @@ def test_server_samples_from_metrics(fake_server: FakeServerProcess) -> None:
     gauges = {
         "process_resident_memory_bytes": [100 * mib, 110 * mib, 111 * mib],
         "tailserve_kv_blocks_used": [0, 7, 0],
+        "tailserve_engine_busy_seconds_total": [10.0, 10.2, 10.7],
+        "tailserve_tp_allreduce_seconds_sum": [1.0, 1.05, 1.15],
+        "tailserve_tp_compute_seconds_sum": [4.0, 4.2, 4.6],
     }
     httpx.post(fake_server.url + "/_metrics", json=gauges, timeout=10).raise_for_status()
     try:
@@ -140,19 +143,29 @@ def test_server_samples_from_metrics(fake_server: FakeServerProcess) -> None:
             fake_server.url + "/_metrics", content=b"null", timeout=10
         ).raise_for_status()  # no /metrics again
     samples = result["server_samples"]
-    assert samples["start"] == {"at_s": 0.0, "rss_bytes": 100 * mib, "kv_blocks_used": 0}
+    assert samples["start"] == {
+        "at_s": 0.0, "rss_bytes": 100 * mib, "kv_blocks_used": 0, "engine_busy_s": 10.0,
+        "tp_allreduce_s": 1.0, "tp_compute_s": 4.0,
+    }  # fmt: skip
     assert samples["warmup_end"]["rss_bytes"] == 110 * mib and samples["warmup_end"]["kv_blocks_used"] == 7
     assert samples["warmup_end"]["at_s"] >= 0.5
     assert samples["end"]["kv_blocks_used"] == 0 and samples["end"]["at_s"] > samples["warmup_end"]["at_s"]
     assert samples["rss_growth_after_warmup"] == pytest.approx(1 / 110)
     assert "RSS 100.0 / 110.0 / 111.0 MiB, KV blocks in use 0 / 7 / 0" in format_summary(result)
+    # Counter deltas over the measured window (end of warm-up to the end): 0.5 s busy, and under
+    # tensor parallelism 0.1 s of all-reduce against 0.4 s of compute.
+    window = samples["engine_window"]
+    assert window["busy_s"] == pytest.approx(0.5) and window["tp_comm_share"] == pytest.approx(0.2)
+    assert window["wall_s"] == pytest.approx(samples["end"]["at_s"] - samples["warmup_end"]["at_s"])
+    assert "all-reduce 20.0% of rank 0's forward" in format_summary(result)
 
 
 def test_no_metrics_endpoint_gives_null_samples(fake_server: FakeServerProcess) -> None:
     fake_server.script([LINEAR])
     result, _ = run_bench([*ARGS, "--base-url", fake_server.url, "--no-calibrate", "-n", "3", "--rate", "20"])
     assert result["server_samples"] == {
-        "start": None, "warmup_end": None, "end": None, "rss_growth_after_warmup": None
+        "start": None, "warmup_end": None, "end": None, "rss_growth_after_warmup": None,
+        "engine_window": None,
     }  # fmt: skip
     assert result["calibration"] is None and result["metrics"]["slowdown"] is None
 

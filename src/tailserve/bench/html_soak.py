@@ -69,6 +69,15 @@ def server_samples_html(samples: dict[str, Any] | None) -> str:
     out.append("</table>")
     if samples.get("rss_growth_after_warmup") is not None:
         out.append(f"<p>RSS growth after warm-up: {samples['rss_growth_after_warmup']:+.1%}</p>")
+    window = samples.get("engine_window") or {}
+    if window.get("busy_share") is not None:
+        out.append(f"<p>Engine busy over the measured window: {window['busy_share']:.0%}</p>")
+    if window.get("tp_comm_share") is not None:
+        out.append(
+            "<p>Tensor parallel: all-reduce took "
+            f"{window['tp_comm_share']:.1%} of rank 0's forward time ({window['tp_allreduce_s']:.2f} s of "
+            f"{window['tp_allreduce_s'] + window['tp_compute_s']:.2f} s).</p>"
+        )
     return "".join(out)
 
 

@@ -1,8 +1,10 @@
-"""Server-side gauges read from the target's Prometheus `/metrics`: RSS and KV blocks in use.
+"""Server-side readings from the target's Prometheus `/metrics`: RSS, KV blocks in use, engine busy
+time and (tensor parallel) time in all-reduce vs compute.
 
 Sampled at the start, at the end of warm-up and after the run (a soak checks that memory stays flat
-and that every KV block came back). Any server without `/metrics`, or without a gauge, gives nulls;
-reading never fails the run.
+and that every KV block came back; the counters' differences give the measured window's busy share
+and communication share). Any server without `/metrics`, or without a metric, gives nulls; reading
+never fails the run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from tailserve.bench.client import TargetConfig
 
 RSS_METRIC = "process_resident_memory_bytes"
 KV_BLOCKS_METRIC = "tailserve_kv_blocks_used"
+BUSY_METRIC = "tailserve_engine_busy_seconds_total"
+TP_ALLREDUCE_METRIC = "tailserve_tp_allreduce_seconds_sum"  # rank 0's time in collectives, all steps
+TP_COMPUTE_METRIC = "tailserve_tp_compute_seconds_sum"
+_METRICS = (RSS_METRIC, KV_BLOCKS_METRIC, BUSY_METRIC, TP_ALLREDUCE_METRIC, TP_COMPUTE_METRIC)
 # The engine frees a request's blocks just after its last chunk: let it settle before the end sample.
 END_SETTLE_S = 0.5
 
@@ -29,6 +35,9 @@ class ServerSample:
     at_s: float
     rss_bytes: float | None
     kv_blocks_used: float | None
+    engine_busy_s: float | None = None
+    tp_allreduce_s: float | None = None
+    tp_compute_s: float | None = None
 
 
 def parse_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -58,8 +67,41 @@ async def scrape(target: TargetConfig, at_s: float) -> ServerSample | None:
         return None
     if resp.status_code != 200:
         return None
-    gauges = parse_gauges(resp.text, (RSS_METRIC, KV_BLOCKS_METRIC))
-    return ServerSample(at_s, gauges.get(RSS_METRIC), gauges.get(KV_BLOCKS_METRIC))
+    g = parse_gauges(resp.text, _METRICS)
+    return ServerSample(
+        at_s,
+        g.get(RSS_METRIC),
+        g.get(KV_BLOCKS_METRIC),
+        g.get(BUSY_METRIC),
+        g.get(TP_ALLREDUCE_METRIC),
+        g.get(TP_COMPUTE_METRIC),
+    )
+
+
+def engine_window(first: ServerSample | None, last: ServerSample | None) -> dict[str, float | None] | None:
+    """Busy share and tensor-parallel communication share between two samples, from counter deltas."""
+    if first is None or last is None or last.at_s <= first.at_s:
+        return None
+
+    def delta(name: str) -> float | None:
+        a, b = getattr(first, name), getattr(last, name)
+        return None if a is None or b is None else max(0.0, b - a)
+
+    wall_s = last.at_s - first.at_s
+    busy, comm, compute = delta("engine_busy_s"), delta("tp_allreduce_s"), delta("tp_compute_s")
+    if busy is None and comm is None:
+        return None
+    share = None
+    if comm is not None and compute is not None and comm + compute > 0:
+        share = comm / (comm + compute)
+    return {
+        "wall_s": wall_s,
+        "busy_s": busy,
+        "busy_share": None if busy is None else min(1.0, busy / wall_s),
+        "tp_allreduce_s": comm,
+        "tp_compute_s": compute,
+        "tp_comm_share": share,
+    }
 
 
 class ServerSampler:
@@ -96,4 +138,6 @@ class ServerSampler:
         if warm and end and warm.rss_bytes and end.rss_bytes is not None:
             growth = end.rss_bytes / warm.rss_bytes - 1.0
         out["rss_growth_after_warmup"] = growth
+        # The measured window: from the end of warm-up when there was one, else from the start.
+        out["engine_window"] = engine_window(warm or self.samples["start"], end)
         return out

@@ -217,7 +217,22 @@ def _server_sample_lines(samples: dict[str, Any] | None) -> list[str]:
     )
     if samples.get("rss_growth_after_warmup") is not None:
         line += f"; RSS growth after warm-up {samples['rss_growth_after_warmup']:+.1%}"
-    return [line]
+    return [line, *_engine_window_lines(samples.get("engine_window"))]
+
+
+def _engine_window_lines(window: dict[str, Any] | None) -> list[str]:
+    """The measured window's engine busy share and, under tensor parallelism, its all-reduce share."""
+    if not window:
+        return []
+    parts = []
+    if window.get("busy_share") is not None:
+        parts.append(f"engine busy {window['busy_share']:.0%} of {window['wall_s']:.1f} s")
+    if window.get("tp_comm_share") is not None:
+        parts.append(
+            f"tensor parallel: all-reduce {window['tp_comm_share']:.1%} of rank 0's forward "
+            f"({window['tp_allreduce_s']:.2f} s in collectives, {window['tp_compute_s']:.2f} s computing)"
+        )
+    return ["server engine (measured window): " + "; ".join(parts)] if parts else []
 
 
 def with_interval(value: float | None, ci: Sequence[float | None] | None, scale: float = 1.0) -> str:
