@@ -95,3 +95,33 @@ def test_bad_prompt_logprob_settings_name_the_field(bad: dict[str, int]) -> None
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**bad)  # type: ignore[arg-type]
     assert err.value.param == next(iter(bad))
+
+
+def test_a_scored_request_preempted_and_recomputed_keeps_its_prompt_scores(smol: LoadedModel) -> None:
+    from tailserve.config import CacheConfig, ModelConfig, SchedulerConfig
+
+    bytes_per_token = (
+        2 * smol.arch.num_layers * smol.arch.num_kv_heads * smol.arch.head_dim * 4
+    )  # fp32 K and V
+    config = EngineConfig(
+        model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=256),
+        cache=CacheConfig(block_size=16, kv_cache_memory_bytes=7 * 16 * bytes_per_token),  # 7 blocks
+        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4),
+    )
+    small = LLM(config=config, loaded=smol)
+    assert small.engine.scheduler.kv.num_blocks == 7
+    texts = [
+        PROMPT[:110],
+        "In a distant land, long ago, there lived a king who loved maps and old stone bridges",
+    ]
+    texts.append("Once upon a time in a small village by the sea, a girl found a shell that sang")
+    prompts = [small.tokenizer.encode(t) for t in texts]
+    params = [
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
+        SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1),
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, prompt_logprobs=0),
+    ]
+    outs = small.generate(prompts, params)
+    assert sum(o.timings.preemptions for o in outs if o.timings) >= 1  # the pool cannot hold all three
+    for out, prompt, p in zip(outs, prompts, params, strict=True):
+        _assert_matches(out.prompt_logprobs, prompt, _reference(small, prompt), p.prompt_logprobs or 0)
