@@ -92,14 +92,21 @@ def test_echo_with_generated_tokens_streamed_and_not(smol_fp32: str, llm: LLM) -
     ] == [True] * 4
     firsts = [ch.logprobs.token_logprobs[: len(ids)] for ch in two.choices[:2] if ch.logprobs]
     assert firsts[0] == firsts[1]  # the forked choice carries the same prompt scores
-    streamed_two = c.completions.create(model=model, prompt=PROMPT, max_tokens=2, echo=True, n=2, stream=True)
+    streamed_two = c.completions.create(
+        model=model, prompt=PROMPT, max_tokens=2, echo=True, n=2, stream=True, logprobs=0
+    )
     by_index: dict[int, str] = {0: "", 1: ""}
+    offsets: dict[int, list[int]] = {0: [], 1: []}
     for ch in streamed_two:
         for part in ch.choices:
             if not by_index[part.index]:
                 assert part.text == PROMPT  # each choice's stream starts with the prompt
             by_index[part.index] += part.text
+            offsets[part.index] += (part.logprobs.text_offset or []) if part.logprobs else []
     assert all(text.startswith(PROMPT) and len(text) > len(PROMPT) for text in by_index.values())
+    for i, text in by_index.items():  # every token once, offsets into the choice's own echoed text
+        assert len(offsets[i]) == len(ids) + 2 and offsets[i][len(ids)] == len(PROMPT)
+        assert offsets[i] == sorted(offsets[i]) and offsets[i][-1] < len(text)
     assert_idle(smol_fp32)
 
 

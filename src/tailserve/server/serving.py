@@ -225,19 +225,26 @@ class Serving:
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(firsts)]
         tools = [ToolCallStream() if job.tool_calls else None for _ in runs]  # a parser per choice
         finals: list[RequestOutput | None] = [None] * len(runs)
+        # Per choice, as in _events: logprobs of tokens whose text is held back, and the next text_offset.
+        pending: list[list[TokenLogprob]] = [[] for _ in runs]
+        offsets = [0] * len(runs)
         try:
             for i, (inp, first) in enumerate(zip(inputs, firsts, strict=True)):
                 if inp.echo_text is not None:
                     lps = prompt_logprobs_json(job, inp.prompt_token_ids, first.prompt_logprobs)
                     yield sse_event(text_chunk(job, inp.echo_text, None, None, lps, i))
+                    offsets[i] = len(inp.echo_text)
             while any(f is None for f in finals):
                 i, out = await queue.get()
                 if isinstance(out, Exception):
                     raise out
-                lps = logprobs_json(job, out.new_logprobs)
+                pending[i] += out.new_logprobs
                 if out.finished:
                     finals[i] = out
                 if out.finished or out.new_text:
+                    lps = logprobs_json(job, pending[i], offsets[i])
+                    offsets[i] += sum(len(t) for t in (lps or {}).get("tokens", []))
+                    pending[i] = []
                     for chunk in choice_chunks(job, out, lps, i, tools[i]):
                         yield sse_event(chunk)
             for chunk in usage_chunks(job, [f for f in finals if f is not None], prompt_counted):
