@@ -168,8 +168,9 @@ def analyze(
     span = dig(result, RESULT_DURATION) or 0.0
     good = wilson(fates["met"], n)
     goodput = good.scaled(n / span) if span > 0 else Interval(None, None, None, n)
-    cached = sum(int(r.get(ROW_CACHED) or 0) for r in ok)
-    prompt = sum(int(r.get(ROW_INPUT) or 0) for r in ok)
+    reporting = [r for r in ok if r.get(ROW_CACHED) is not None]  # null: the server did not say
+    cached = sum(int(r[ROW_CACHED]) for r in reporting)
+    prompt = sum(int(r.get(ROW_INPUT) or 0) for r in reporting)
     return {
         "measured": n,
         "ok": len(ok),

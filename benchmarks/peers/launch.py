@@ -184,6 +184,8 @@ def vllm_cpu(
     command += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(limits.max_seqs)]
     command += ["--max-num-batched-tokens", str(limits.step_tokens)]
     command += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if prefix_caching:  # so usage says how many prompt tokens were cached
+        command += ["--enable-prompt-tokens-details"]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     env = {
         **thread_env(limits.threads),
