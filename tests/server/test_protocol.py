@@ -19,9 +19,9 @@ from tailserve.server.protocol import (
     CompletionRequest,
     chat_prompt_ids,
     completion_prompt_ids,
-    sampling_params,
     validate_body,
 )
+from tailserve.server.sampling_args import sampling_params
 from tests.server.fake_engine import ByteTokenizer
 
 TOK = ByteTokenizer()

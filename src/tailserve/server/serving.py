@@ -36,7 +36,6 @@ from tailserve.server.protocol import (
     echo_texts,
     fan_out,
     parses_tool_calls,
-    sampling_params,
     validate_body,
 )
 from tailserve.server.responses import (
@@ -53,6 +52,7 @@ from tailserve.server.responses import (
     usage,
     usage_chunks,
 )
+from tailserve.server.sampling_args import sampling_params
 from tailserve.server.slo_classes import SloClasses
 from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 from tailserve.server.tools import ToolCallStream
