@@ -22,8 +22,18 @@ FAST = {"ttft_s": 0.01, "itl_s": 0.005, "tokens": 3}
 
 def bench(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str]:
     code = main(
-        ["bench", "--no-progress", "--no-calibrate", "--warmup", "0", "--out", str(out), "--output-len", "fixed:3",
-         *argv]
+        [
+            "bench",
+            "--no-progress",
+            "--no-calibrate",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+            "--output-len",
+            "fixed:3",
+            *argv,
+        ]
     )
     captured = capsys.readouterr()
     return code, captured.out + captured.err
@@ -210,8 +220,17 @@ def test_ctrl_c_ends_cleanly_with_a_partial_report(tmp_path: Path, fake_server: 
 
 def _main(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[int, str]:
     code = main(
-        ["bench", "--no-progress", "--no-calibrate", "--no-html", "--out", str(out), "--output-len", "fixed:3",
-         *argv]
+        [
+            "bench",
+            "--no-progress",
+            "--no-calibrate",
+            "--no-html",
+            "--out",
+            str(out),
+            "--output-len",
+            "fixed:3",
+            *argv,
+        ]
     )
     captured = capsys.readouterr()
     return code, captured.out + captured.err
