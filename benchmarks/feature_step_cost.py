@@ -70,16 +70,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per configuration")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--weight-format", default="auto", help="as `tailserve serve` (auto: what the gate picks)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     config = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=2048),
+        model=ModelConfig(
+            model=args.model, weight_format=args.weight_format, device=args.device, max_model_len=2048
+        ),
         cache=CacheConfig(kv_cache_memory_bytes=512 << 20),
         scheduler=SchedulerConfig(max_num_seqs=max(args.rows, 16), max_num_batched_tokens=2048),
     )
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = LLMEngine(config)
-    print(f"{engine.model_name}, {args.rows} streams, torch threads {torch.get_num_threads()}, {args.device}")
+    print(
+        f"{engine.model_name}, {args.rows} streams, weight format {engine.weight_format}, "
+        f"torch threads {torch.get_num_threads()}, {args.device}"
+    )
     plain = decode_step_ms(engine, False, args.rows, args.warmup, args.steps)
     featured = decode_step_ms(engine, True, args.rows, args.warmup, args.steps)
     p, f = statistics.median(plain), statistics.median(featured)

@@ -181,3 +181,33 @@ def test_logprobs_come_from_the_logits_before_any_adjustment() -> None:
     assert first[0] == pytest.approx(float(raw[0, tokens[0]]), abs=1e-6)
     assert [t for t, _ in first[1]] == raw[0].topk(3).indices.tolist()
     assert second[0] == pytest.approx(float(raw[1, tokens[1]]), abs=1e-6) and second[1] == []
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_grammar_bitmasks_ban_exactly_the_unset_tokens(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernel (CPU) and the torch unpack ban the same tokens: unset bits and ids past the mask."""
+    from tailserve.model import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, kernels)
+    cpu_kernels.load.cache_clear()
+    try:
+        if kernels == "1" and cpu_kernels.load() is None:
+            pytest.skip("no C compiler: the kernels cannot be built here")
+        g = torch.Generator().manual_seed(7)
+        vocab, words_per_row = 300, 9  # the masks cover 288 ids: 288..299 are banned everywhere
+        logits = torch.randn(5, vocab, generator=g)
+        masks = torch.randint(-(2**31), 2**31 - 1, (5, words_per_row), dtype=torch.int32, generator=g)
+        masks[1, 2:5] = -1  # whole words allowed
+        masks[3, :4] = 0  # whole words banned
+        specs = [SamplingSpec(token_bitmask=masks[i]) if i in (1, 3, 4) else SamplingSpec() for i in range(5)]
+        out = adjust_logits(logits, specs)
+        for i in range(5):
+            bits = [(int(masks[i, t // 32]) >> (t % 32)) & 1 if t < 288 else 0 for t in range(vocab)]
+            want = (
+                logits[i].clone()
+                if specs[i].token_bitmask is None
+                else logits[i].masked_fill(torch.tensor(bits) == 0, float("-inf"))
+            )
+            assert torch.equal(out[i], want), i
+    finally:
+        cpu_kernels.load.cache_clear()

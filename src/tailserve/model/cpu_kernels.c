@@ -708,3 +708,26 @@ void ts_pack_q4(const uint8_t *codes, int64_t n_out, int64_t k, uint8_t *packed)
             }
         }
 }
+
+/* Structured outputs: -inf on every token a row's bitmask leaves unset (token t is allowed when bit
+ * t % 32 of word t / 32 is set), in place on float32 logits. rows[r] is the logits row of bitmask
+ * row r; tokens past the bitmask's width are banned. A full word (32 allowed tokens, the common case
+ * inside a string) costs one compare. -inf is stored as its bit pattern: -ffast-math assumes finite
+ * arithmetic, and no arithmetic touches it here. */
+void ts_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *words, int64_t words_per_row,
+                            const int64_t *rows, int64_t n_rows, int64_t vocab) {
+    const uint32_t neg_inf = 0xff800000u;
+    for (int64_t r = 0; r < n_rows; r++) {
+        uint32_t *row = (uint32_t *)(logits + rows[r] * row_stride);
+        const uint32_t *w = (const uint32_t *)(words + r * words_per_row);
+        int64_t covered = words_per_row * 32 < vocab ? words_per_row * 32 : vocab;
+        for (int64_t t0 = 0; t0 < covered; t0 += 32) {
+            uint32_t bits = w[t0 >> 5];
+            if (bits == 0xffffffffu) continue;
+            int64_t end = t0 + 32 < covered ? t0 + 32 : covered;
+            for (int64_t t = t0; t < end; t++)
+                if (!((bits >> (t - t0)) & 1u)) row[t] = neg_inf;
+        }
+        for (int64_t t = covered; t < vocab; t++) row[t] = neg_inf;
+    }
+}

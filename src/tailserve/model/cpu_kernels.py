@@ -45,6 +45,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_q4_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_q4_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_pack_q4": [_P, _I, _I, _P],
+    "ts_apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
 }
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tailserve.model import cpu_kernels
+
 
 @dataclass
 class SamplingSpec:
@@ -124,10 +126,20 @@ _BIT = torch.arange(32, dtype=torch.int32)
 
 
 def _apply_bitmasks(logits: torch.Tensor, rows: list[int], specs: Sequence[SamplingSpec]) -> None:
-    """-inf, in place, on every token a row's bitmask leaves unset: one unpack for all masked rows."""
+    """-inf, in place, on every token a row's bitmask leaves unset: one unpack for all masked rows
+    (one C call on CPU, where the unpack below costs ~0.5 ms a row at a 49k vocabulary)."""
     words = torch.stack([m for i in rows if (m := specs[i].token_bitmask) is not None])
     words = words.to(logits.device)
     vocab = logits.shape[-1]
+    lib = cpu_kernels.load() if logits.device.type == "cpu" else None
+    if lib is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        words = words.to(torch.int32).contiguous()
+        index = torch.tensor(rows, dtype=torch.int64)
+        lib.ts_apply_token_bitmask(
+            cpu_kernels.ptr(logits), logits.stride(0), cpu_kernels.ptr(words), words.shape[1],
+            cpu_kernels.ptr(index), len(rows), vocab,
+        )  # fmt: skip
+        return
     allowed = ((words[:, :, None] >> _BIT.to(logits.device)) & 1).view(len(rows), -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:  # a mask narrower than the logits allows none of the extra ids
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
