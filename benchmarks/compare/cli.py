@@ -13,7 +13,8 @@ rerunning the same command with the same --out resumes. Follow it with `tail -f 
     .venv/bin/python benchmarks/compare_engines.py --quick                              # minutes
     .venv/bin/python benchmarks/compare_engines.py --render bench-results/compare-full
 
-Drives servers over HTTP and subprocesses only: it imports nothing from tailserve.
+Drives servers over HTTP and subprocesses only: from tailserve it imports only the bench's statistics
+(tailserve.bench: intervals and nearest-rank percentiles), never the engine.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The statistics the comparison's verdicts rest on: distribution-free percentile intervals from
-binomial order statistics, binomial proportion intervals, and three-way verdicts from intervals
+"""The statistics the comparison's verdicts rest on: distribution-free percentile intervals (those of
+`tailserve bench`, tailserve/bench/intervals.py), binomial proportion intervals, and three-way verdicts from intervals
 ("met", "missed", or "not enough data" when an interval straddles the bound). Pure arithmetic on
 lists of numbers; no I/O.
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+
+from tailserve.bench.intervals import percentile_interval
+from tailserve.bench.stats import nearest_rank
 
 CONFIDENCE = 0.95  # two-sided, for every interval the comparison shows
 
@@ -35,57 +38,22 @@ class Interval:
         return Interval(s(self.value), s(self.low), s(self.high), self.count)
 
 
-def _binom_cdfs(n: int, p: float) -> list[float]:
-    """[P(B <= k) for k in 0..n], B ~ Binomial(n, p), each term in log space (n in the thousands is fine)."""
-    log_p, log_q = math.log(p), math.log1p(-p)
-    total, cdfs = 0.0, []
-    for i in range(n + 1):
-        log_pmf = (
-            math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
-        )
-        total += math.exp(log_pmf)
-        cdfs.append(min(total, 1.0))
-    return cdfs
-
-
-def order_stat_ranks(n: int, q: float, confidence: float = CONFIDENCE) -> tuple[int | None, int | None]:
-    """1-based ranks (l, u) of the sorted sample with P(x(l) <= quantile_q <= x(u)) >= confidence,
-    each tail holding at most (1 - confidence) / 2; None where no rank of n values reaches it
-    (the quantile is then unbounded on that side: too few values that far out)."""
-    tail = (1.0 - confidence) / 2.0
-    cdf = _binom_cdfs(n, q)
-    # x(u) < quantile only if at least u values fall below it: P = 1 - P(B <= u - 1), B ~ Bin(n, q).
-    upper = next((u for u in range(1, n + 1) if cdf[u - 1] >= 1.0 - tail), None)
-    # x(l) > quantile only if fewer than l values fall at or below it: P = P(B <= l - 1).
-    lower = next((lo for lo in range(n, 0, -1) if cdf[lo - 1] <= tail), None)
-    return lower, upper
-
-
 def min_count_bounded(q: float, confidence: float = CONFIDENCE) -> int:
-    """The fewest values whose q-quantile interval has an upper end (for P99 at 95%: 368)."""
-    # The upper end exists once P(B <= n - 1) = 1 - q^n >= 1 - tail, i.e. q^n <= tail.
+    """The fewest values whose q-quantile interval has an equal-tailed upper end (for P99 at 95%: 368):
+    below that, `tailserve bench` closes the interval at the maximum, the weakest upper end there is.
+    The harness sizes its points and windows to this count."""
+    # The upper tail has a rank of its own once P(B <= n - 1) = 1 - q^n >= 1 - tail, i.e. q^n <= tail.
     return math.ceil(math.log((1.0 - confidence) / 2.0) / math.log(q))
 
 
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    """The q-quantile as `tailserve bench` reports it: rank ceil(q * n) of the sorted values."""
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
-
-
 def quantile_interval(values: Sequence[float], q: float, confidence: float = CONFIDENCE) -> Interval:
-    """The nearest-rank q-quantile with its distribution-free interval."""
-    n = len(values)
-    if n == 0:
+    """The nearest-rank q-quantile (0 < q < 1) with its distribution-free interval, computed by
+    `tailserve bench`'s own code, so the harness and the bench can never disagree."""
+    if not values:
         return Interval(None, None, None, 0)
     ordered = sorted(values)
-    lower, upper = order_stat_ranks(n, q, confidence)
-    return Interval(
-        nearest_rank(ordered, q),
-        ordered[lower - 1] if lower else None,
-        ordered[upper - 1] if upper else None,
-        n,
-    )
+    low, high = percentile_interval(ordered, 100.0 * q, confidence)
+    return Interval(nearest_rank(ordered, 100.0 * q), low, high, len(ordered))
 
 
 def wilson(successes: int, n: int, confidence: float = CONFIDENCE) -> Interval:
