@@ -106,6 +106,24 @@ def _compare(
     assert not multiprocessing.active_children(), "workers outlived close()"
 
 
+def test_a_worker_dying_at_start_up_ends_the_join_naming_it() -> None:
+    """A worker that dies while loading (here: at once) must not leave rank 0 in the rendezvous for
+    JOIN_TIMEOUT_S: the join ends with an error that names the worker and its exit status."""
+    import sys
+
+    from tailserve.model import parallel
+    from tailserve.model.arch import preset
+
+    arch = preset("tiny")
+    split = check_shardable(arch, 2, "fp32")
+    tp = parallel.start_workers(arch, split, torch.device("cpu"), sys.exit, ())  # exits with status 1
+    try:
+        with pytest.raises(parallel.TensorParallelError, match="tp-worker-1 exited with status 1"):
+            parallel.join_workers(tp)
+    finally:
+        tp.close()
+
+
 def test_tp2_splits_the_kv_heads_of_a_qwen2_shaped_model_and_equals_tp1() -> None:
     _compare("dummy:tp-qwen2", 2, "fp32", FP32_ATOL)  # 14 heads, 2 KV heads, biases, odd vocabulary
 

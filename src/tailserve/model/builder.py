@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,11 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
     from tailserve.model import parallel, tp_worker
 
     if device.type == "cuda":  # rank r on GPU r (NCCL wants each rank's device set before the group)
+        if torch.cuda.device_count() < size:
+            raise ConfigError(
+                f"--tensor-parallel-size {size} needs {size} CUDA devices, this host shows "
+                f"{torch.cuda.device_count()}"
+            )
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     arch = loaded.arch if loaded else read_arch(mc.model)
@@ -114,7 +120,12 @@ def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = 
 
 
 def build_worker_runner(
-    mc: ModelConfig, cc: CacheConfig, weight_format: str, rank: int, port: int
+    mc: ModelConfig,
+    cc: CacheConfig,
+    weight_format: str,
+    rank: int,
+    port: int,
+    on_loaded: Callable[[], None] | None = None,
 ) -> BuiltModel:
     """A tensor-parallel worker's runner over its shard: load, join rank 0's group, build."""
     from tailserve.model import parallel
@@ -129,6 +140,8 @@ def build_worker_runner(
     arch = read_arch(mc.model)
     tp = parallel.TensorParallel(rank, arch, parallel.check_shardable(arch, size, weight_format), device)
     loaded = _load(mc, weight_format, device, tp.keep)
+    if on_loaded is not None:
+        on_loaded()  # rank 0 watches the workers until every one has loaded, then joins
     tp.join(port)
     return _build_rank(mc, cc, loaded, weight_format, device, tp, None)
 

@@ -174,6 +174,7 @@ class TensorParallel:
         self.sync_timing = False
         self.workers: list[BaseProcess] = []  # rank 0 only
         self.plan_pipes: list[Connection] = []  # rank 0 only: one per worker
+        self.loaded: list[Any] = []  # rank 0 only: each worker's "shard loaded" multiprocessing Event
         self.dead: str | None = None  # why the group cannot run another step
         self.closing = False
         self._on_death: list[Callable[[str], None]] = []
@@ -321,6 +322,7 @@ class TensorParallel:
         if self.closing:
             return
         self.closing = True
+        atexit.unregister(self.close)  # registered by start_workers; nothing left for exit to stop
         for pipe in self.plan_pipes:
             try:
                 pipe.send(("stop",))
@@ -367,9 +369,10 @@ def start_workers(
     atexit.register(tp.close)
     for rank in range(1, split.size):
         child, parent = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+        loaded = ctx.Event()  # set by the worker once its shard is loaded, before it joins the group
         proc = ctx.Process(
             target=worker_main,
-            args=(rank, split.size, port, child, *worker_args),
+            args=(rank, split.size, port, child, loaded, *worker_args),
             name=f"tp-worker-{rank}",
             daemon=False,  # stopped by TensorParallel.close, never by multiprocessing's atexit
         )
@@ -377,11 +380,28 @@ def start_workers(
         child.close()
         tp.workers.append(proc)
         tp.plan_pipes.append(parent)
+        tp.loaded.append(loaded)
         log.info("started tensor-parallel worker rank %d (pid %d)", rank, proc.pid)
     return tp
 
 
 def join_workers(tp: TensorParallel) -> None:
-    """Rank 0: form the group with the workers, then watch them for the rest of the group's life."""
+    """Rank 0: wait until every worker has loaded its shard, watching them meanwhile, then form the
+    group and watch them for the rest of its life. A worker that dies while loading (out of memory, a
+    bad file, a missing device) ends the start-up at once, naming it, instead of leaving rank 0 in
+    the rendezvous for JOIN_TIMEOUT_S waiting for a rank that will never come."""
+    sentinels = [p.sentinel for p in tp.workers]
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not all(event.is_set() for event in tp.loaded):
+        gone = [p for p in tp.workers if p.exitcode is not None]
+        if gone:
+            raise TensorParallelError(
+                "tensor-parallel worker died while starting ({})".format(
+                    ", ".join(f"{p.name} exited with status {p.exitcode}" for p in gone)
+                )
+            )
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel workers did not load within {JOIN_TIMEOUT_S:.0f} s")
+        wait(sentinels, timeout=0.1)
     tp.join(tp.port)
     threading.Thread(target=tp._watch, name="tp-watchdog", daemon=True).start()

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 from multiprocessing.connection import Connection
+from typing import Any
 
 from tailserve.config import CacheConfig, ModelConfig
 from tailserve.model.runner import ModelRunner, chunks_from_plan
@@ -23,6 +24,7 @@ def main(
     size: int,
     port: int,
     plan_pipe: Connection,
+    loaded: Any,
     mc: ModelConfig,
     cc: CacheConfig,
     weight_format: str,
@@ -35,7 +37,7 @@ def main(
     )
     from tailserve.model.builder import build_worker_runner
 
-    runner = build_worker_runner(mc, cc, weight_format, rank, port).runner
+    runner = build_worker_runner(mc, cc, weight_format, rank, port, on_loaded=loaded.set).runner
     try:
         serve(runner, plan_pipe)
     except Exception:
