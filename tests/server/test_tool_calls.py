@@ -68,6 +68,7 @@ OUTPUTS = [
     "no call here, only a < and a <tool that is not one  ",
     "<tool_call>{not json}</tool_call> and text after",
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut off by max_tokens
+    '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"utc\\"}"}\n</tool_call>',  # as a string
 ]
 
 
@@ -81,6 +82,12 @@ def test_parser_reads_calls_content_and_junk() -> None:
     assert _call_view(parse_tool_calls(OUTPUTS[1])) == (OUTPUTS[1], [])
     assert _call_view(parse_tool_calls(OUTPUTS[2])) == (OUTPUTS[2], [])  # not a call: left as text
     assert _call_view(parse_tool_calls(OUTPUTS[3]))[1] == [("get_weather", '{"city": "Pa')]
+    # parallel_tool_calls false: the first call only, and nothing the model wrote after it.
+    assert _call_view(parse_tool_calls(OUTPUTS[0], max_calls=1)) == (
+        "Let me check.", [("get_weather", '{"city": "Par}is", "unit": {"x": 1}}')]
+    )  # fmt: skip
+    # Arguments the model wrote as a JSON string arrive decoded: json.loads gives the object.
+    assert _call_view(parse_tool_calls(OUTPUTS[4]))[1] == [("get_time", '{"zone": "utc"}')]
     whole = parse_tool_calls(OUTPUTS[0])[1]
     assert [c["type"] for c in whole] == ["function"] * 2 and len({c["id"] for c in whole}) == 2
 

@@ -27,6 +27,7 @@ class Job:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every text chunk
     token_text: Callable[[int], str] | None = None  # set when the request asked for logprobs
     tool_calls: bool = False  # chat with tools: the output is parsed for <tool_call> blocks
+    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
     best_of: tuple[int, int] | None = None  # (n, best_of) when best_of > n: candidates to rank
 
 
@@ -152,7 +153,7 @@ def _chat_message(job: Job, out: RequestOutput) -> dict[str, Any]:
     """The assistant message; with tools, its <tool_call> blocks as `tool_calls` and the rest as content."""
     if not job.tool_calls:
         return {"role": "assistant", "content": out.text}
-    content, calls = parse_tool_calls(out.text)
+    content, calls = parse_tool_calls(out.text, job.max_tool_calls)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls

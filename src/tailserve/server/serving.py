@@ -124,6 +124,9 @@ class Serving:
             continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
             token_text=(lambda t: tokenizer.decode([t])) if params.logprobs is not None else None,
             tool_calls=parses_tool_calls(req),
+            max_tool_calls=1
+            if isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False
+            else None,
         )
         n = choices_per_prompt(req)
         per_prompt = candidates_per_prompt(req, n)  # best_of
@@ -223,7 +226,9 @@ class Serving:
                 await queue.put((i, exc))
 
         tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(firsts)]
-        tools = [ToolCallStream() if job.tool_calls else None for _ in runs]  # a parser per choice
+        tools = [
+            ToolCallStream(job.max_tool_calls) if job.tool_calls else None for _ in runs
+        ]  # a parser per choice
         finals: list[RequestOutput | None] = [None] * len(runs)
         # Per choice, as in _events: logprobs of tokens whose text is held back, and the next text_offset.
         pending: list[list[TokenLogprob]] = [[] for _ in runs]
@@ -275,7 +280,7 @@ class Serving:
         out: RequestOutput | None = first
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
         offset = 0  # legacy completions' text_offset of the next token
-        tools = ToolCallStream() if job.tool_calls else None
+        tools = ToolCallStream(job.max_tool_calls) if job.tool_calls else None
         try:
             if job.kind == "chat":
                 yield sse_event(role_chunk(job))

@@ -223,6 +223,7 @@ class ToolCallStream:
     parse as {"name", "arguments"} goes out as content. Non-streamed responses run the same parser.
     """
 
+    max_calls: int | None = None  # parallel_tool_calls false: 1, and the output ends after that call
     calls: int = 0
     _held: str = ""  # text not yet sent: a possible partial <tool_call>, or whitespace
     _call: _Call | None = None
@@ -247,6 +248,9 @@ class ToolCallStream:
         return out
 
     def _outside(self, text: str, out: list[dict[str, Any]]) -> str:
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            self._held = ""  # one call asked for, one made: what the model writes after it is dropped
+            return ""
         buf = self._held + text
         self._held = ""
         if self._after_call:  # whitespace right after a call is dropped
@@ -279,7 +283,10 @@ class ToolCallStream:
         if call.head_end < 0 and (m := _CALL_HEAD.match(body)) and (name := _json_string(m.group(1))):
             call.head_end = m.end()
             out.append(self._header(name, call.index))
-        if call.head_end >= 0:
+        # Arguments written as a JSON string ("{\"a\": 1}") are decoded whole when the block closes:
+        # streamed as they come, a client would get the string literal, quotes and escapes included.
+        as_string = call.head_end >= 0 and body[call.head_end :].startswith('"')
+        if call.head_end >= 0 and not as_string:
             args = body[call.head_end :]
             cut = args.rfind("}")  # the body's own closing brace may be this one: held back until the end
             upto = len(args[: cut if cut >= 0 else len(args)].rstrip())
@@ -297,6 +304,10 @@ class ToolCallStream:
             out.append(self._header(parsed[0], call.index))
             out.append(self._fragment(call.index, parsed[1]))
         else:
+            if as_string:
+                parsed = _parse_body(body)
+                args = body[call.head_end :].rstrip().removesuffix("}").rstrip()
+                out.append(self._fragment(call.index, parsed[1] if parsed else args))
             self._after_call = True
         return call.body[end + len(CLOSE_TAG) :]
 
@@ -352,7 +363,7 @@ def assemble(deltas: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, A
     return (content or None), [calls[i] for i in sorted(calls)]
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole output -> (content or None, tool calls): the stream parser fed everything at once."""
-    stream = ToolCallStream()
+    stream = ToolCallStream(max_calls)
     return assemble(stream.feed(text) + stream.finish())
