@@ -110,6 +110,20 @@ def test_cache_compiles_each_spec_once(llm: LLM) -> None:
     assert llm.engine.grammars.compile(GrammarSpec("regex", "ab+c", param="other")) is first
 
 
+def test_a_grammar_prepared_for_a_request_on_its_way_is_not_evicted() -> None:
+    """More distinct schemas in flight than the cache holds: the one prepared ahead must still be
+    there when the engine thread makes the request's matcher (the step loop never compiles)."""
+    from tailserve.engine.structured import GrammarCache
+    from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
+
+    cache = GrammarCache(Tokenizer(ByteTokenizer(512), [2]), 512, capacity=2)
+    prepared = cache.compile(GrammarSpec("regex", "a+"), prepare=True)
+    for i in range(4):  # other requests' grammars push it to the cold end of the LRU
+        cache.compile(GrammarSpec("regex", f"b{{{i + 1}}}"))
+    assert cache.compile(GrammarSpec("regex", "a+")) is prepared
+    assert len(cache) == 2  # the ones nobody waits for are still evicted
+
+
 def test_vocabulary_bytes_spell_the_text(smol: LoadedModel) -> None:
     """The bytes the grammar sees per token concatenate to the text those tokens decode to."""
     import xgrammar

@@ -119,6 +119,14 @@ BAD_INPUTS: list[BadInput] = [
         "response_format.json_schema.schema",
         "/v1/chat/completions",
     ),
+    BadInput(
+        "min_tokens with a grammar",
+        {"model": TINY, "messages": [{"role": "user", "content": "x"}], "min_tokens": 5,
+         "structured_outputs": {"choice": ["yes", "no"]}},
+        400,
+        "min_tokens",
+        "/v1/chat/completions",
+    ),
     BadInput("no role", {"model": TINY, "messages": [{"content": "x"}]}, 400, "messages[0].role", "/v1/chat/completions"),
     BadInput(
         "negative max_completion_tokens",

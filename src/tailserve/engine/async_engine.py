@@ -80,7 +80,7 @@ class AsyncEngine:
     async def prepare_grammar(self, spec: GrammarSpec) -> None:
         """Compile `spec` on a worker thread into the engine's grammar cache, so the step loop finds it
         there; a bad spec raises InvalidRequestError (a 400) and queues nothing."""
-        await asyncio.to_thread(self.engine.grammars.compile, spec)
+        await asyncio.to_thread(self.engine.grammars.compile, spec, True)
 
     async def shutdown(self) -> None:
         """Stop the loop; unfinished requests are aborted."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 
@@ -34,6 +35,8 @@ from tailserve.model.loader import LoadedModel
 from tailserve.model.runner import SeqChunk
 from tailserve.model.sampler import SamplingSpec
 from tailserve.model.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -152,7 +155,14 @@ class LLMEngine:
                 continue
             if (result := chunk.sampling.logprob_result) is not None:
                 req.logprobs.append(TokenLogprob(token, result[0], tuple(result[1])))
-            done = req.grammar is not None and (not req.grammar.accept(token) or req.grammar.terminated)
+            rejected = req.grammar is not None and not req.grammar.accept(token)
+            if rejected:
+                # The bitmask allows only tokens the grammar accepts: reaching here is a mask bug, so
+                # say so loudly rather than let a broken output pass as a normal stop.
+                log.error(
+                    "request %s: sampled token %d outside its grammar; stopping it", req.request_id, token
+                )
+            done = req.grammar is not None and (rejected or req.grammar.terminated)
             reason = self.outputs.append_token(req, token, now)
             if reason is None and done:  # the grammar is complete (its end token was the last taken)
                 reason = "stop"

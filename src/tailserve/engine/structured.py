@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from tailserve.errors import InvalidRequestError
 from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
 
 CACHE_ENTRIES = 64  # compiled grammars kept; a JSON schema's is tens of kB to a few MB
+PREPARED_HOLD_S = 60.0  # a grammar compiled for a request on its way is kept this long at least
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # Hermes-style (server/tools.py)
 
 
@@ -55,24 +57,43 @@ class GrammarCache:
         self._vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self._capacity = capacity
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._prepared_at: dict[GrammarSpec, float] = {}  # specs compiled ahead for a request on its way
         self._lock = threading.Lock()
         self._compiler: Any = None
 
-    def compile(self, spec: GrammarSpec) -> Any:
+    def compile(self, spec: GrammarSpec, prepare: bool = False) -> Any:
         """The compiled grammar of `spec`, from the cache or built now; a bad spec raises a 400 naming
-        `spec.param`, and nothing is cached."""
+        `spec.param`, and nothing is cached. `prepare`: compiled ahead for a request on its way to
+        the engine, so it is not evicted for PREPARED_HOLD_S (the step loop must never compile)."""
         with self._lock:
+            if prepare:
+                self._prepared_at[spec] = time.monotonic()
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)
                 return self._compiled[spec]
             compiler = self._compiler_locked()
-        compiled = _compile(compiler, spec)  # outside the lock: other compiles and hits go on
+        try:
+            compiled = _compile(compiler, spec)  # outside the lock: other compiles and hits go on
+        except BaseException:
+            with self._lock:
+                self._prepared_at.pop(spec, None)
+            raise
         with self._lock:
             self._compiled[spec] = compiled
             self._compiled.move_to_end(spec)
-            while len(self._compiled) > self._capacity:
-                self._compiled.popitem(last=False)
+            self._evict_locked()
         return compiled
+
+    def _evict_locked(self) -> None:
+        """Least recently used first, skipping grammars prepared for requests still on their way (the
+        cache may then run over its capacity for a while, by at most the requests in flight)."""
+        now = time.monotonic()
+        self._prepared_at = {s: t for s, t in self._prepared_at.items() if now - t < PREPARED_HOLD_S}
+        for spec in list(self._compiled):
+            if len(self._compiled) <= self._capacity:
+                break
+            if spec not in self._prepared_at:
+                del self._compiled[spec]
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`'s grammar (each of n choices gets its own)."""

@@ -63,6 +63,14 @@ def sampling_params(
     temperature = req.temperature if req.temperature is not None else model.temperature
     top_p = req.top_p if req.top_p is not None else model.top_p
     top_k = req.top_k if req.top_k is not None else model.top_k
+    grammar = request_grammar(req)
+    if grammar is not None and req.min_tokens:
+        # A grammar that is complete must be able to end; banning the end token would leave no token.
+        raise InvalidRequestError(
+            "'min_tokens' cannot be combined with a constrained output (response_format, "
+            "structured_outputs or a forced tool_choice)",
+            "min_tokens",
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -80,7 +88,7 @@ def sampling_params(
             logit_bias=_logit_bias(req.logit_bias),
             min_tokens=req.min_tokens or 0,
             logprobs=_logprobs(req),
-            grammar=request_grammar(req),
+            grammar=grammar,
             prompt_logprobs=_prompt_logprobs(req, max_tokens),
         )
     except InvalidRequestError as exc:
