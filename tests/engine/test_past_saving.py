@@ -160,3 +160,19 @@ def test_under_a_batch_backlog_a_batch_newcomer_is_refused_an_interactive_one_ad
     snapshot = scheduler.queue_snapshot(now)
     assert scheduler.estimate_wait_s(2000, snapshot, now, ttft_s=20.0) > 20.0
     assert scheduler.estimate_wait_s(200, snapshot, now, ttft_s=2.0) < 2.0
+
+
+def test_a_one_chunk_step_alternates_between_late_and_savable_work() -> None:
+    """When a step has room for one chunk only, neither the late prompt nor the savable ones starve."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, policy="slo", slo_ttft_s=10.0)
+    timer = StepTimer(budget_tokens=16)
+    timer.record(_Plan(8, 0), 0.004)
+    timer.record(_Plan(16, 16), 16 * PER_TOKEN_S)
+    run = _Run(Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer))
+    run.add("late", 64, age_s=100.0)
+    for step in range(8):
+        run.add(f"s{step}", 16, ttft_s=1000.0)
+        run.run_step()
+    assert run.first_token_step.get("late", math.inf) <= 7  # 4 chunks, one every other step
+    savable = [at for name, at in run.first_token_step.items() if name != "late"]
+    assert len(savable) >= 3 and min(savable) < run.first_token_step["late"]  # moving while it waited

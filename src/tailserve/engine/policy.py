@@ -44,7 +44,7 @@ class SchedulePolicy(Protocol):
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int: ...
 
-    def past_saving_reserve(self, left: int) -> int: ...
+    def past_saving_reserve(self, left: int, step_no: int = 1) -> int: ...
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
 
@@ -66,7 +66,7 @@ class FcfsPolicy:
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         return budget
 
-    def past_saving_reserve(self, left: int) -> int:
+    def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
         return 0
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
@@ -129,14 +129,19 @@ class SloPolicy:
         late.sort(key=lambda kr: kr[0])
         return PrefillOrder([r for _, r in savable], [r for _, r in late])
 
-    def past_saving_reserve(self, left: int) -> int:
-        """Prefill tokens of this step kept for requests past saving (when any wait).
+    def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
+        """Prefill tokens of step `step_no` kept for requests past saving (when any wait).
 
         A share of every step, not a promotion after some extra wait: the late request's remaining
         prefill then ends within ceil(remaining / reserve) steps however many newcomers arrive, and
         the savable ones never meet a late prompt that suddenly takes a whole step (a cliff that
-        admission could not predict)."""
-        return min(left, max(self.min_chunk, math.ceil(self.config.past_saving_share * left)))
+        admission could not predict). Savable work keeps at least one chunk. A step with room for a
+        single chunk (a tight --prefill-floor under TPOT pressure) goes to the late on odd steps and
+        to the savable on even ones: both keep moving, and the late one's bound doubles."""
+        if left < 2 * self.min_chunk:
+            return left if step_no % 2 else 0
+        reserve = max(self.min_chunk, math.ceil(self.config.past_saving_share * left))
+        return min(reserve, left - self.min_chunk)
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         if not decodes:
@@ -184,6 +189,8 @@ class SloPolicy:
     def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int:
         """Prefill tokens per step left to savable work: the cap, less the reserve while work past saving waits."""
         if any(self.past_saving(tokens, deadline, now) for tokens, deadline, _ in pending):
+            if cap < 2 * self.min_chunk:  # one chunk a step, every other step the newcomers'
+                return max(cap // 2, 1)
             return max(cap - self.past_saving_reserve(cap), 1)
         return cap
 

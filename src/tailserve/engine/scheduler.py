@@ -54,6 +54,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._steps = 0  # steps planned with work past saving waiting: whose turn a one-chunk step is
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -84,7 +85,10 @@ class Scheduler:
         order = self.policy.order_prefills(candidates, now)
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
-        reserve = self.policy.past_saving_reserve(left) if order.past_saving else 0
+        reserve = 0
+        if order.past_saving:
+            self._steps += 1
+            reserve = self.policy.past_saving_reserve(left, self._steps)
         used, admitting = self._prefill_chunks(order.savable, left - reserve, plan, scheduled, now)
         self._prefill_chunks(order.past_saving, left - used, plan, scheduled, now, admitting)
         plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
