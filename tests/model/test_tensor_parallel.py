@@ -27,6 +27,7 @@ from tailserve.model.parallel import TensorParallel, check_shardable, shard_int4
 from tailserve.model.runner import ModelRunner, SeqChunk
 from tailserve.model.sampler import SamplingSpec
 from tailserve.model.weight_formats import Int4Groups, pack_amx_int4, pack_int4
+from tests.engine.random_workload import drive_random_workload
 
 FP32_ATOL = 1e-4
 BF16_ATOL = 0.05  # int4 weights, bf16 activations: each rank rounds its partial sum to bf16 once
@@ -215,30 +216,10 @@ def tp2_engine() -> Iterator[LLMEngine]:
 def test_tp2_random_arrivals_and_aborts_return_every_block(tp2_engine: LLMEngine, seed: int) -> None:
     engine = tp2_engine
     assert engine.stats().kv_blocks_total == STRESS_BLOCKS
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(10, 60))] for _ in range(3)]
-    pending = []
-    for i in range(16):
-        prompt = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))]
-        params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=rng.choice([0.0, 1.0]), seed=i)
-        pending.append((rng.randrange(0, 30), f"s{seed}-{i}", prompt, params))
-    pending.sort(key=lambda p: p[0])
-    aborted = [rid for _, rid, _, _ in pending if rng.random() < 0.2]
-    finished: set[str] = set()
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        if step % 5 == 2 and aborted:
-            rid = aborted.pop()
-            if engine.abort(rid) is not None:
-                finished.add(rid)
-        for out in engine.step():
-            if out.finished:
-                finished.add(out.request_id)
-        step += 1
-        assert step < 3000, f"stalled: {engine.stats()}"
+    finished = drive_random_workload(
+        engine, random.Random(seed), 16, last_arrival_step=30, max_tokens=20, abort_share=0.2,
+        abort_every=(5, 2), prefix=f"s{seed}-", max_steps=3000,
+    )  # fmt: skip
     assert len(finished) == 16
     stats = engine.stats()
     # Rank 0's accounting is back to full; the workers hold no block state at all (they run the
