@@ -64,6 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="results folder; an existing one is resumed (default bench-results/compare-<time>)",
     )
+    p.add_argument(
+        "--length-scale",
+        type=float,
+        help="multiply every prompt and output length by this (default 1: the issue's shapes); "
+        "frozen in the results folder by its first run",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -164,6 +170,7 @@ def record_invocation(
     doc.setdefault("sizes", dataclasses.asdict(sizes))
     doc.setdefault("threads", args.threads)
     doc.setdefault("seed", args.seed)
+    doc.setdefault("length_scale", args.length_scale or 1.0)
     doc["quick"] = args.quick
     store.save(doc, "run")
 
@@ -191,6 +198,22 @@ def soak_targets(store: Store, names: Sequence[str]) -> list[str]:
     return keys
 
 
+def length_scale(store: Store, args: argparse.Namespace) -> float:
+    """The folder's length scale: set by its first run; a resumed run may not change it (its saved
+    points and SLO belong to those lengths)."""
+    saved = (store.load("run") or {}).get("length_scale")
+    if saved is not None and args.length_scale is not None and args.length_scale != saved:
+        sys.exit(
+            f"{store.root} holds lengths x{saved:g}; --length-scale {args.length_scale:g} would mix them"
+        )
+    scale = float(saved if saved is not None else args.length_scale or 1.0)
+    try:
+        planning.scaled_workloads(scale)
+    except ValueError as exc:
+        sys.exit(str(exc))
+    return scale
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
@@ -199,12 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     keys = [k for k in (args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)).split(",") if k]
     unknown = set(keys) - set(SERVERS + OTHER_SERVERS)
-    workloads = [planning.WORKLOADS[w] for w in args.workloads.split(",") if w in planning.WORKLOADS]
-    if unknown or not workloads:
-        sys.exit(f"unknown servers {sorted(unknown)} or no known workload in {args.workloads!r}")
     keys.sort(key=lambda k: (k != REFERENCE, (SERVERS + OTHER_SERVERS).index(k)))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     store = Store(args.out or envs.ROOT / "bench-results" / f"compare-{stamp}")
+    scale = length_scale(store, args)
+    known = planning.scaled_workloads(scale)
+    workloads = [known[w] for w in args.workloads.split(",") if w in known]
+    if unknown or not workloads:
+        sys.exit(f"unknown servers {sorted(unknown)} or no known workload in {args.workloads!r}")
     sizes = sizes_of(args)
     record_invocation(store, argv, args, sizes)
     envs.ensure_hf_dir()  # the bench's tokenizer too, so always
@@ -214,10 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "vllm" in keys + soaked:
         envs.ensure_vllm_venv()
     ctx = Context(store, sizes, args.seed, Limits(threads=args.threads), envs.gguf_path())
-    store.log(f"results in {store.root}; servers {', '.join(soaked or keys)}; sizes {sizes}")
+    store.log(
+        f"results in {store.root}; servers {', '.join(soaked or keys)}; lengths x{scale:g}; sizes {sizes}"
+    )
     try:
         if soaked:
-            run_soaks(ctx, soaked, args)
+            run_soaks(ctx, soaked, known["longtail"], args)
         else:
             compare_all(ctx, keys, workloads, args)
     except KeyboardInterrupt:
@@ -247,8 +274,9 @@ def compare_all(
                 reference = round(0.8 * capacity, 4)
 
 
-def run_soaks(ctx: Context, keys: Sequence[str], args: argparse.Namespace) -> None:
-    workload = planning.LONGTAIL
+def run_soaks(
+    ctx: Context, keys: Sequence[str], workload: planning.Workload, args: argparse.Namespace
+) -> None:
     slo_doc = ctx.store.load(f"slo-{workload.name}")
     if slo_doc is None:
         sys.exit("--soak: no long-tail SLO in this folder yet (run the comparison into it first)")

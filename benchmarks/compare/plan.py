@@ -28,6 +28,7 @@ class Workload:
     shared_prefix_tokens: int = 0
     prefix_caching: bool = False  # servers run with their prefix cache on for this workload
     calibration_input_len: str = ""  # the lengths calibrated (default: input_len)
+    typical: tuple[int, int] = (300, 72)  # a typical request's prompt and output tokens (search start)
 
     @property
     def calibration_len(self) -> str:
@@ -51,30 +52,53 @@ class Workload:
         return request_rate / self.turns
 
 
-# 5% of prompts near 1500 tokens (+-5%, so at most ~1650); outputs 16-128 tokens.
-LONGTAIL = Workload(
-    "longtail",
-    "long-tail chat: Poisson arrivals, prompts lognormal around 200 tokens with 5% near 1500, outputs 16-128",
-    "longtail:200,1500,0.05,0.5",
-    "uniform:16,128",
-    longest_tokens=1650,
-)
-# A 400-token system prompt on every conversation, 3 turns of 64-256 new tokens each (the history
-# is resent, so the third turn's prompt is at most 400 + 3 x 256 + 2 x 128 = 1424 tokens).
-MULTITURN = Workload(
-    "multiturn",
-    "shared-system-prompt multi-turn chat: 400-token system prompt, 3 turns of 64-256 new tokens "
-    "(history resent), 1 s think time, outputs 16-128, conversations arrive Poisson",
-    "uniform:464,656",
-    "uniform:16,128",
-    longest_tokens=1424,
-    turns=3,
-    think_time_s=1.0,
-    shared_prefix_tokens=400,
-    prefix_caching=True,
-    calibration_input_len="uniform:64,1424",  # the first turn's lengths up to the third turn's longest
-)
-WORKLOADS = {w.name: w for w in (LONGTAIL, MULTITURN)}
+def scaled_workloads(scale: float = 1.0) -> dict[str, Workload]:
+    """The two workloads with every length (prompts, shared prefix, new tokens per turn, outputs'
+    upper end) multiplied by `scale`: the issue's shapes at 1; smaller on a slow box, where each
+    request then costs less, so a point of 368 requests takes minutes instead of an hour. Outputs
+    keep their lower end of 16 tokens."""
+    if not 0.05 <= scale <= 4:
+        raise ValueError(f"length scale {scale:g} outside 0.05-4")
+
+    def n(tokens: int) -> int:
+        return max(1, round(tokens * scale))
+
+    out_max = max(17, n(128))
+    mark = "" if scale == 1 else f" (lengths x{scale:g})"
+    # 5% of prompts near 1500 tokens (+-5%, so at most ~1650); outputs 16-128 tokens.
+    longtail = Workload(
+        "longtail",
+        f"long-tail chat{mark}: Poisson arrivals, prompts lognormal around {n(200)} tokens with 5% near "
+        f"{n(1500)}, outputs 16-{out_max}",
+        f"longtail:{n(200)},{n(1500)},0.05,0.5",
+        f"uniform:16,{out_max}",
+        longest_tokens=n(1650),
+        typical=(n(300), (16 + out_max) // 2),
+    )
+    # A 400-token system prompt on every conversation, 3 turns of 64-256 new tokens each (the
+    # history is resent, so the third turn's prompt is at most 400 + 3 x 256 + 2 x 128 = 1424).
+    prefix, new_min, new_max = n(400), n(64), n(256)
+    multiturn = Workload(
+        "multiturn",
+        f"shared-system-prompt multi-turn chat{mark}: {prefix}-token system prompt, 3 turns of "
+        f"{new_min}-{new_max} new tokens (history resent), 1 s think time, outputs 16-{out_max}, "
+        "conversations arrive Poisson",
+        f"uniform:{prefix + new_min},{prefix + new_max}",
+        f"uniform:16,{out_max}",
+        longest_tokens=prefix + 3 * new_max + 2 * out_max,
+        turns=3,
+        think_time_s=1.0,
+        shared_prefix_tokens=prefix,
+        prefix_caching=True,
+        typical=(n(300), (16 + out_max) // 2),
+        # the first turn's lengths up to the third turn's longest
+        calibration_input_len=f"uniform:{new_min},{prefix + 3 * new_max + 2 * out_max}",
+    )
+    return {w.name: w for w in (longtail, multiturn)}
+
+
+WORKLOADS = scaled_workloads()
+LONGTAIL, MULTITURN = WORKLOADS["longtail"], WORKLOADS["multiturn"]
 
 
 @dataclasses.dataclass(frozen=True)

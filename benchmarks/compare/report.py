@@ -12,7 +12,7 @@ from typing import Any
 
 from compare import plots
 from compare.analyze import Calibration, interval, metric_values, read_rows
-from compare.plan import WORKLOADS
+from compare.plan import scaled_workloads
 from compare.run import OTHER_SERVERS, REFERENCE, SERVERS
 from compare.stats import MET, MISSED, NOT_ENOUGH, Interval, at_most, compare
 from compare.store import Store
@@ -467,6 +467,8 @@ def workload_plots(store: Store, workload: str, slo: dict[str, Any]) -> list[tup
 def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
     run = store.load("run") or {}
     sizes = run.get("sizes", {})
+    scale = float(run.get("length_scale", 1.0))
+    workloads = scaled_workloads(scale)
     invocations = run.get("invocations", [])
     out = [
         "# tailserve vs vLLM's CPU engine, llama.cpp and transformers serve, with intervals",
@@ -478,6 +480,12 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
             for i in invocations
         ),
         f"- {run.get('threads', '?')} CPU threads for every server; seed {run.get('seed', '?')}"
+        + (
+            f"; every prompt and output length x{scale:g} of the issue's shapes (`--length-scale`), so that "
+            "each point's requests fit in minutes on this machine"
+            if scale != 1
+            else ""
+        )
         + ("; **quick run: sizes too small for any verdict**" if run.get("quick") else ""),
         f"- every rate point {sizes.get('point_requests')} measured requests, every capacity probe "
         f"{sizes.get('probe_requests')} (after {sizes.get('warmup_requests')} warm-up requests each); 368 is the "
@@ -490,7 +498,7 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
         "",
     ]
     svgs: list[tuple[str, str]] = []
-    for name, workload in WORKLOADS.items():
+    for name, workload in workloads.items():
         slo = store.load(f"slo-{name}")
         if slo is None:
             continue
@@ -538,7 +546,7 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
         out += ["## Soak", "", *soak_lines]
     svgs += soak_svgs
     out += ["## Servers and flags", ""]
-    for name in WORKLOADS:
+    for name in workloads:
         for key in servers_in(store, name):
             doc = store.load(key, name, "points") or store.load(key, name, "calibration") or {}
             if server := doc.get("server"):

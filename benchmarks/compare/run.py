@@ -273,7 +273,8 @@ def search(
             f"no search: idle TTFT of the longest prompt {cal_doc['idle_ttft_longest_s']:.2f} s > the "
             f"{slo.ttft_s:g} s target"
         )  # fmt: skip
-    start = planning.search_start(cal.isolated_ttft_s(300) + 72 * cal.idle_tpot_s)  # a typical request alone
+    prompt, output = workload.typical
+    start = planning.search_start(cal.isolated_ttft_s(prompt) + output * cal.idle_tpot_s)  # one alone
     while (rate := planning.next_probe(probes, start, sizes.growth, sizes.tolerance, sizes.max_probes, rate_max)) is not None:  # fmt: skip
         cost = planning.expected_s(sizes.probe_requests + sizes.warmup_requests, rate, drain_s)
         if spent + cost > sizes.budget_s:

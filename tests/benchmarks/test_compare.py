@@ -289,3 +289,27 @@ def test_slo_is_set_from_the_fastest_calibration_and_frozen(tmp_path: Path) -> N
     store.save({"idle_ttft_longest_s": 0.5}, "hf-cb", "longtail", "calibration")  # a server added later
     again = frozen_slo(store, plan.LONGTAIL, ["ts-slo", "vllm", "llamacpp", "hf-cb"], args)
     assert again == slo  # the saved SLO stands, so resumed points stay comparable
+
+
+def test_length_scale_keeps_the_shapes_and_is_frozen_in_the_folder(tmp_path: Path) -> None:
+    from compare.cli import length_scale, parse_args, record_invocation
+
+    assert plan.scaled_workloads(1.0) == plan.WORKLOADS  # 1 is the workloads exactly
+    half = plan.scaled_workloads(0.5)
+    assert half["longtail"].input_len == "longtail:100,750,0.05,0.5"
+    assert half["longtail"].output_len == "uniform:16,64" and half["longtail"].longest_tokens == 825
+    assert "x0.5" in half["longtail"].title
+    turns = half["multiturn"]
+    assert turns.shared_prefix_tokens == 200 and turns.input_len == "uniform:232,328"
+    assert turns.longest_tokens == 200 + 3 * 128 + 2 * 64  # the third turn's longest prompt
+    with pytest.raises(ValueError, match="outside"):
+        plan.scaled_workloads(0.0)
+
+    store = Store(tmp_path)
+    args = parse_args(["--length-scale", "0.5"])
+    assert length_scale(store, args) == 0.5
+    record_invocation(store, [], args, plan.QUICK)
+    assert length_scale(store, parse_args([])) == 0.5  # a resumed run keeps the folder's lengths
+    with pytest.raises(SystemExit, match="x0.5"):
+        length_scale(store, parse_args(["--length-scale", "1"]))
+    assert "x0.5" in report.render(store)[0]
