@@ -37,7 +37,7 @@ from peers.launch import Limits
 from compare import plan as planning
 from compare import report, stats
 from compare.analyze import Slo
-from compare.run import OTHER_SERVERS, REFERENCE, SERVERS, Context, calibrate, measure, soak
+from compare.run import OTHER_SERVERS, REFERENCE, SERVERS, Context, calibrate, measure, replay, soak
 from compare.store import Store
 
 QUICK_SERVERS = ("ts-slo", "llamacpp")
@@ -101,6 +101,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak-min", type=float, default=30.0, help="soak minutes")
     p.add_argument(
         "--soak-rate", type=float, help="soak rate req/s (default 80%% of the server's long-tail capacity)"
+    )
+    p.add_argument(
+        "--search-only",
+        action="store_true",
+        help="capacity searches only: every rate point is left out (listed as such)",
+    )
+    p.add_argument(
+        "--replay",
+        metavar="KEY[:PROBE,...]",
+        help="instead of searching, run --servers at the rates of KEY's saved probes (all, or those "
+        "named), under the same names and so with the same prompts",
     )
     p.add_argument("--render", type=Path, metavar="DIR", help="only write the report of DIR")
     p.add_argument("--doc", type=Path, help="also write the markdown here (e.g. docs/COMPARE.md)")
@@ -265,11 +276,17 @@ def compare_all(
         if slo is None:
             store.log(f"{workload.name}: no server calibrated; nothing to measure")
             continue
+        if args.replay:
+            source, _, names = args.replay.partition(":")
+            for key in keys:
+                if key != source:
+                    replay(ctx, key, workload, slo, source, [n for n in names.split(",") if n])
+            continue
         # Every server also runs at 80% of tailserve (slo)'s capacity (the same offered load for all).
         saved = capacity_saved(store, REFERENCE, workload.name)
         reference = round(0.8 * saved, 4) if saved else None
         for key in keys:
-            capacity = measure(ctx, key, workload, slo, reference, args.rate_max)
+            capacity = measure(ctx, key, workload, slo, reference, args.rate_max, args.search_only)
             if key == REFERENCE and capacity:
                 reference = round(0.8 * capacity, 4)
 

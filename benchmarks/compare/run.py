@@ -293,7 +293,13 @@ def search(
 
 
 def measure(
-    ctx: Context, key: str, workload: Workload, slo: Slo, reference_rate: float | None, rate_max: float
+    ctx: Context,
+    key: str,
+    workload: Workload,
+    slo: Slo,
+    reference_rate: float | None,
+    rate_max: float,
+    search_only: bool = False,
 ) -> float | None:
     """Phase 2 for one server and workload: the capacity search (probes of `probe_requests`, judged
     by the P99s' upper ends), then the rate points that fit its budget. Returns its capacity (None
@@ -324,6 +330,10 @@ def measure(
         store.log(f"{key}/{workload.name}: capacity {capacity:g} req/s (next failing probe: {above})")
         ref = None if key == REFERENCE else reference_rate
         kept, dropped = planning.rate_points(capacity, ref, sizes, drain_s, spent)
+        if search_only:  # --search-only: every rate point is left out, and listed as such
+            cost = sizes.point_requests + sizes.warmup_requests
+            dropped = [(p, planning.expected_s(cost, p.rate, drain_s)) for p in kept] + dropped
+            kept = []
         for point in kept:
             run_point(
                 ctx,
@@ -351,6 +361,33 @@ def measure(
     if dropped:
         store.log(f"{key}/{workload.name}: left out (budget): {', '.join(p.name for p, _ in dropped)}")
     return capacity
+
+
+def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, names: list[str]) -> None:
+    """Run server `key` at the rates of `source`'s saved probes (all of them, or `names`), under the
+    same names, so with the same prompts: two servers measured on the same offered load, request
+    for request. The runs are probes of `key` too (a later capacity search of it starts from them)."""
+    store, sizes = ctx.store, ctx.sizes
+    cal_doc = store.load(key, workload.name, "calibration")
+    probes = [p for p in store.points(source, workload.name, "probe-") if not names or p["name"] in names]
+    todo = [p for p in probes if not store.has(key, workload.name, p["name"])]
+    if cal_doc is None or not todo:
+        store.log(
+            f"{key}/{workload.name}: replay of {source}: {'nothing left' if cal_doc else 'not calibrated'}"
+        )
+        return
+    spec, server = started(ctx, key, workload, slo, f"replay-{source}")
+    store.log(f"{key}/{workload.name}: starting {spec.label} to replay {source}'s probes")
+    with server:
+        try:
+            server.wait_ready(timeout_s=900)
+        except RuntimeError as exc:
+            store.log(f"{key}/{workload.name}: did not start: {exc}")
+            return
+        warm_up(ctx, spec, server.url, workload)
+        for p in todo:
+            run_point(ctx, spec, server.url, workload, slo, calibration_of(cal_doc), p["name"], p["rate"],
+                      sizes.probe_requests, f"{source}'s {p['name']} replayed (same rate, same prompts)")  # fmt: skip
 
 
 class RssSampler:

@@ -200,6 +200,24 @@ def test_a_finished_server_is_not_started_again(tmp_path: Path) -> None:
     assert measure(ctx, "vllm", plan.LONGTAIL, SLO, None, 20.0) == 0.75
 
 
+def test_a_replay_takes_the_source_probes_by_name_and_skips_the_saved(tmp_path: Path) -> None:
+    from compare.run import replay
+
+    store = Store(tmp_path)
+    for i, rate in ((1, 3.2), (2, 1.6), (3, 0.8)):
+        store.save(
+            {"name": f"probe-0{i}", "rate": rate, "passed": False}, "ts-slo", "longtail", f"probe-0{i}"
+        )
+    store.save({"intercept_s": 0.1, "per_token_s": 0.001, "idle_tpot_s": 0.05, "points": []},
+               "ts-fcfs", "longtail", "calibration")  # fmt: skip
+    for name in ("probe-01", "probe-02"):  # already replayed: nothing is left, so no server starts
+        store.save({"name": name}, "ts-fcfs", "longtail", name)
+    ctx = Context(store, plan.QUICK, 0, None, tmp_path)  # type: ignore[arg-type]
+    replay(ctx, "ts-fcfs", plan.LONGTAIL, SLO, "ts-slo", ["probe-01", "probe-02"])
+    assert "replay of ts-slo: nothing left" in (tmp_path / "progress.log").read_text()
+    assert not store.has("ts-fcfs", "longtail", "probe-03")
+
+
 # ----- verdicts in the report ---------------------------------------------------------------------
 def point(
     rate: float, queue: tuple[float, float, float], goodput: tuple[float, float, float], passed: bool = True
