@@ -154,29 +154,84 @@ def capacity_table(store: Store, workload: str) -> list[str]:
     return lines
 
 
+POINT_HEADER = [
+    "| point | req/s | server | n | P99 TTFT s | TTFT P99/mean | P99 TPOT ms | TPOT P99/mean | P99 slowdown "
+    "| slowdown P99/mean | P99 queue delay s | goodput req/s | met / fast 429 / slow miss / error | cached prompt |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+]
+
+
+def point_row(name: str, key: str, p: dict[str, Any]) -> str:
+    f = p["figures"]
+    fates = f["fates"]
+    share = f.get("cached_token_fraction")
+    cached = "-" if share is None else f"{share:.0%}"  # prompt tokens the server said it had cached
+    return (
+        f"| {name} | {p['rate']:g} | {LABELS[key]} | {f['measured']} | {ci(metric(p, 'ttft_s'))} "
+        f"| {ci(metric(p, 'ttft_s', 'p99_over_mean'))} | {ci(metric(p, 'tpot_s'), 1000, 0)} "
+        f"| {ci(metric(p, 'tpot_s', 'p99_over_mean'))} | {ci(metric(p, 'slowdown'))} "
+        f"| {ci(metric(p, 'slowdown', 'p99_over_mean'))} | {ci(metric(p, 'queue_delay_s'))} "
+        f"| {ci(f['goodput_per_s'], digits=3)} | {fates['met']} / {fates['fast_429']} / {fates['slow_miss']} / {fates['error']} | {cached} |"
+    )
+
+
 def point_rows(store: Store, workload: str) -> list[str]:
-    lines = [
-        "| point | req/s | server | n | P99 TTFT s | TTFT P99/mean | P99 TPOT ms | TPOT P99/mean | P99 slowdown "
-        "| slowdown P99/mean | P99 queue delay s | goodput req/s | met / fast 429 / slow miss / error | cached prompt |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
-    ]
+    lines = list(POINT_HEADER)
     for name in POINT_ORDER:
         for key in servers_in(store, workload):
-            p = store.load(key, workload, name)
-            if p is None:
-                continue
-            f = p["figures"]
-            fates = f["fates"]
-            share = f.get("cached_token_fraction")
-            cached = "-" if share is None else f"{share:.0%}"  # prompt tokens the server said it had cached
-            lines.append(
-                f"| {name} | {p['rate']:g} | {LABELS[key]} | {f['measured']} | {ci(metric(p, 'ttft_s'))} "
-                f"| {ci(metric(p, 'ttft_s', 'p99_over_mean'))} | {ci(metric(p, 'tpot_s'), 1000, 0)} "
-                f"| {ci(metric(p, 'tpot_s', 'p99_over_mean'))} | {ci(metric(p, 'slowdown'))} "
-                f"| {ci(metric(p, 'slowdown', 'p99_over_mean'))} | {ci(metric(p, 'queue_delay_s'))} "
-                f"| {ci(f['goodput_per_s'], digits=3)} | {fates['met']} / {fates['fast_429']} / {fates['slow_miss']} / {fates['error']} | {cached} |"
-            )
+            if (p := store.load(key, workload, name)) is not None:
+                lines.append(point_row(name, key, p))
     return lines
+
+
+def probe_rows(store: Store, workload: str) -> list[str]:
+    """Every capacity probe (and replayed probe) of every server, by rate, highest first: each is a
+    full run of its own, with the same figures as a rate point."""
+    probes = [
+        (p["rate"], key, p)
+        for key in servers_in(store, workload)
+        for p in store.points(key, workload, "probe-")
+    ]
+    if not probes:
+        return ["(no probe yet)"]
+    probes.sort(key=lambda x: (-x[0], servers_in(store, workload).index(x[1])))
+    return [*POINT_HEADER, *(point_row(p.get("name", "probe"), key, p) for _, key, p in probes)]
+
+
+def same_prompts_table(store: Store, workload: str) -> list[str]:
+    """Probes that another server replayed (`--replay`: same name, rate and prompts), each P99 beside
+    tailserve (slo)'s with `compare` on the intervals (lower / higher only when they are apart)."""
+    ours = {p.get("name"): p for p in store.points(REFERENCE, workload, "probe-")}
+    names = (("ttft_s", 1.0, "P99 TTFT s"), ("tpot_s", 1000.0, "P99 TPOT ms"), ("queue_delay_s", 1.0, "P99 queue delay s"),
+             ("slowdown", 1.0, "P99 slowdown"))  # fmt: skip
+    lines = [
+        "| probe | req/s | server | " + " | ".join(label for _, _, label in names) + " | goodput req/s |",
+        "| --- | ---: | --- |" + " ---: |" * (len(names) + 1),
+    ]
+    found = False
+    for key in servers_in(store, workload):
+        if key == REFERENCE:
+            continue
+        for p in store.points(key, workload, "probe-"):
+            mine_ref = ours.get(p.get("name"))
+            if mine_ref is None or abs(mine_ref["rate"] - p["rate"]) > 1e-9:
+                continue  # its own search's probe, at another rate
+            found = True
+            for k, doc in ((REFERENCE, mine_ref), (key, p)):
+                cells = []
+                for name, scale, _ in names:
+                    mine = metric(doc, name)
+                    verdict = (
+                        ""
+                        if k == REFERENCE
+                        else f" ({compare(interval(mine), interval(metric(mine_ref, name)))})"
+                    )
+                    cells.append(ci(mine, scale, 0 if scale > 1 else 2) + verdict)
+                lines.append(
+                    f"| {p['name']} | {p['rate']:g} | {LABELS[k]} | {' | '.join(cells)} "
+                    f"| {ci(doc['figures']['goodput_per_s'], digits=3)} |"
+                )
+    return lines if found else ["(no replayed probe yet: `--replay ts-slo` runs another server on them)"]
 
 
 def reference_table(store: Store, workload: str) -> list[str]:
@@ -523,6 +578,12 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
             "",
             "### Capacity",
             *capacity_table(store, name),
+            "",
+            "### Every capacity probe (each a full run; highest rate first)",
+            *probe_rows(store, name),
+            "",
+            "### Same rate, same prompts (probes of tailserve (slo) replayed on another server)",
+            *same_prompts_table(store, name),
             "",
             "### Rate points",
             *point_rows(store, name),

@@ -331,3 +331,33 @@ def test_length_scale_keeps_the_shapes_and_is_frozen_in_the_folder(tmp_path: Pat
     with pytest.raises(SystemExit, match="x0.5"):
         length_scale(store, parse_args(["--length-scale", "1"]))
     assert "x0.5" in report.render(store)[0]
+
+
+def test_replayed_probes_are_set_beside_the_reference_only_at_the_same_rate(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for key in ("ts-slo", "ts-fcfs", "vllm"):
+        store.save(
+            {"intercept_s": 0, "per_token_s": 0, "idle_tpot_s": 0, "points": []},
+            key,
+            "longtail",
+            "calibration",
+        )
+    store.save(
+        {**point(1.6, (0.5, 0.4, 0.6), (1.5, 1.4, 1.6)), "name": "probe-01"}, "ts-slo", "longtail", "probe-01"
+    )
+    store.save(
+        {**point(1.6, (3.0, 2.0, 4.0), (1.0, 0.9, 1.1)), "name": "probe-01"},
+        "ts-fcfs",
+        "longtail",
+        "probe-01",
+    )
+    # vLLM's own search: the same name, another rate, so not the same load
+    store.save(
+        {**point(1.9, (0.1, 0.05, 0.2), (1.8, 1.7, 1.9)), "name": "probe-01"}, "vllm", "longtail", "probe-01"
+    )
+    table = report.same_prompts_table(store, "longtail")
+    assert len([r for r in table if r.startswith("| probe-01")]) == 2  # slo and fcfs, not vLLM
+    fcfs = next(r for r in table if "fcfs" in r)
+    assert "3.00 [2.00, 4.00] (higher)" in fcfs  # queue delay intervals apart: fcfs waits longer
+    probes = report.probe_rows(store, "longtail")
+    assert [r.split("|")[2].strip() for r in probes[2:]] == ["1.9", "1.6", "1.6"]  # by rate, highest first
