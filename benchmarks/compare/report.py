@@ -190,7 +190,8 @@ def probe_rows(store: Store, workload: str) -> list[str]:
     probes = [
         (p["rate"], key, p)
         for key in servers_in(store, workload)
-        for p in store.points(key, workload, "probe-")
+        for prefix in ("probe-", "replay-")
+        for p in store.points(key, workload, prefix)
     ]
     if not probes:
         return ["(no probe yet)"]
@@ -212,8 +213,8 @@ def same_prompts_table(store: Store, workload: str) -> list[str]:
     for key in servers_in(store, workload):
         if key == REFERENCE:
             continue
-        for p in store.points(key, workload, "probe-"):
-            mine_ref = ours.get(p.get("name"))
+        for p in store.points(key, workload, f"replay-{REFERENCE}-"):
+            mine_ref = ours.get(p.get("replay_of"))
             if mine_ref is None or abs(mine_ref["rate"] - p["rate"]) > 1e-9:
                 continue  # its own search's probe, at another rate
             found = True
@@ -228,7 +229,7 @@ def same_prompts_table(store: Store, workload: str) -> list[str]:
                     )
                     cells.append(ci(mine, scale, 0 if scale > 1 else 2) + verdict)
                 lines.append(
-                    f"| {p['name']} | {p['rate']:g} | {LABELS[k]} | {' | '.join(cells)} "
+                    f"| {p['replay_of']} | {p['rate']:g} | {LABELS[k]} | {' | '.join(cells)} "
                     f"| {ci(doc['figures']['goodput_per_s'], digits=3)} |"
                 )
     return lines if found else ["(no replayed probe yet: `--replay ts-slo` runs another server on them)"]

@@ -97,6 +97,7 @@ def bench(
     args: list[str],
     slo: Slo | None,
     deadline_s: float | None = None,
+    seed_name: str | None = None,
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]], dict[str, Any]]:
     """One `tailserve bench run` of `workload`; returns its result, its rows and the run record."""
     prefix = ctx.store.folder(spec.key, workload.name, "runs", name)
@@ -104,7 +105,7 @@ def bench(
     if slo is not None:
         slo_args = ["--slo-ttft", f"{slo.ttft_s:g}", "--slo-tpot-ms", f"{slo.tpot_s * 1000:g}"]
     full = [
-        "--no-calibrate", "--base-url", url, "--tokenizer", str(HF_DIR), "--seed", str(point_seed(ctx.seed, name)),
+        "--no-calibrate", "--base-url", url, "--tokenizer", str(HF_DIR), "--seed", str(point_seed(ctx.seed, seed_name or name)),
         "--timeout", f"{request_timeout_s(slo):g}", *slo_args, "--slo-e2e", "off",
         "--label", f"{spec.label}: {workload.name} {name}", "--extra-body", json.dumps(spec.extra_body),
         *spec.bench_args, *workload.bench_args(), *args,
@@ -237,21 +238,31 @@ def calibration_of(doc: dict[str, Any]) -> Calibration:
 
 def run_point(
     ctx: Context, spec: ServerSpec, url: str, workload: Workload, slo: Slo, cal: Calibration,
-    name: str, rate: float, requests: int, why: str,
+    name: str, rate: float, requests: int, why: str, replay_of: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One rate point or probe: run, analyse, save (unless saved already)."""
+    """One rate point or probe: run, analyse, save (unless saved already). `replay_of`: the name of
+    the point whose prompts it sends (its seed), when that is not its own name."""
     store = ctx.store
     if (saved := store.load(spec.key, workload.name, name)) is not None:
         return saved
     store.log(f"{spec.key}/{workload.name}: {name} at {rate:g} req/s ({requests} measured requests, ~"
               f"{planning.expected_s(requests + ctx.sizes.warmup_requests, rate) / 60:.1f} min)")  # fmt: skip
     result, rows, record = bench(
-        ctx, spec, url, workload, name, open_loop(workload, rate, ctx.sizes, requests), slo
+        ctx,
+        spec,
+        url,
+        workload,
+        name,
+        open_loop(workload, rate, ctx.sizes, requests),
+        slo,
+        seed_name=replay_of,
     )
     figures = analyze(rows, result, slo, cal)
     ok, reason = passes(figures, slo, conservative=ctx.sizes.conservative)
     doc = {"name": name, "rate": rate, "why": why, "requests": requests, "passed": ok, "fail_reason": reason,
            "figures": figures, "run": record, "client": (result or {}).get("client")}  # fmt: skip
+    if replay_of:
+        doc["replay_of"] = replay_of
     store.save(doc, spec.key, workload.name, name)
     store.log(f"{spec.key}/{workload.name}: {name} {'pass' if ok else 'FAIL: ' + reason}")
     return doc
@@ -363,14 +374,18 @@ def measure(
     return capacity
 
 
+def replay_name(source: str, probe: str) -> str:
+    return f"replay-{source}-{probe}"
+
+
 def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, names: list[str]) -> None:
-    """Run server `key` at the rates of `source`'s saved probes (all of them, or `names`), under the
-    same names, so with the same prompts: two servers measured on the same offered load, request
-    for request. The runs are probes of `key` too (a later capacity search of it starts from them)."""
+    """Run server `key` at the rates of `source`'s saved probes (all of them, or `names`) with the
+    same prompts (their seeds): two servers measured on the same offered load, request for request.
+    Saved as `replay-SOURCE-PROBE`, apart from the server's own probes (its search never reads them)."""
     store, sizes = ctx.store, ctx.sizes
     cal_doc = store.load(key, workload.name, "calibration")
     probes = [p for p in store.points(source, workload.name, "probe-") if not names or p["name"] in names]
-    todo = [p for p in probes if not store.has(key, workload.name, p["name"])]
+    todo = [p for p in probes if not store.has(key, workload.name, replay_name(source, p["name"]))]
     if cal_doc is None or not todo:
         store.log(
             f"{key}/{workload.name}: replay of {source}: {'nothing left' if cal_doc else 'not calibrated'}"
@@ -386,8 +401,9 @@ def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, na
             return
         warm_up(ctx, spec, server.url, workload)
         for p in todo:
-            run_point(ctx, spec, server.url, workload, slo, calibration_of(cal_doc), p["name"], p["rate"],
-                      sizes.probe_requests, f"{source}'s {p['name']} replayed (same rate, same prompts)")  # fmt: skip
+            run_point(ctx, spec, server.url, workload, slo, calibration_of(cal_doc), replay_name(source, p["name"]),
+                      p["rate"], sizes.probe_requests, f"{source}'s {p['name']} replayed (same rate, same prompts)",
+                      replay_of=p["name"])  # fmt: skip
 
 
 class RssSampler:

@@ -211,11 +211,11 @@ def test_a_replay_takes_the_source_probes_by_name_and_skips_the_saved(tmp_path: 
     store.save({"intercept_s": 0.1, "per_token_s": 0.001, "idle_tpot_s": 0.05, "points": []},
                "ts-fcfs", "longtail", "calibration")  # fmt: skip
     for name in ("probe-01", "probe-02"):  # already replayed: nothing is left, so no server starts
-        store.save({"name": name}, "ts-fcfs", "longtail", name)
+        store.save({"name": name}, "ts-fcfs", "longtail", f"replay-ts-slo-{name}")
     ctx = Context(store, plan.QUICK, 0, None, tmp_path)  # type: ignore[arg-type]
     replay(ctx, "ts-fcfs", plan.LONGTAIL, SLO, "ts-slo", ["probe-01", "probe-02"])
     assert "replay of ts-slo: nothing left" in (tmp_path / "progress.log").read_text()
-    assert not store.has("ts-fcfs", "longtail", "probe-03")
+    assert not store.has("ts-fcfs", "longtail", "replay-ts-slo-probe-03")
 
 
 # ----- verdicts in the report ---------------------------------------------------------------------
@@ -345,18 +345,14 @@ def test_replayed_probes_are_set_beside_the_reference_only_at_the_same_rate(tmp_
     store.save(
         {**point(1.6, (0.5, 0.4, 0.6), (1.5, 1.4, 1.6)), "name": "probe-01"}, "ts-slo", "longtail", "probe-01"
     )
-    store.save(
-        {**point(1.6, (3.0, 2.0, 4.0), (1.0, 0.9, 1.1)), "name": "probe-01"},
-        "ts-fcfs",
-        "longtail",
-        "probe-01",
-    )
-    # vLLM's own search: the same name, another rate, so not the same load
+    replayed = {**point(1.6, (3.0, 2.0, 4.0), (1.0, 0.9, 1.1)), "name": "replay-ts-slo-probe-01"}
+    store.save({**replayed, "replay_of": "probe-01"}, "ts-fcfs", "longtail", "replay-ts-slo-probe-01")
+    # vLLM's own search: the same name, another rate and prompts, so not set beside it
     store.save(
         {**point(1.9, (0.1, 0.05, 0.2), (1.8, 1.7, 1.9)), "name": "probe-01"}, "vllm", "longtail", "probe-01"
     )
     table = report.same_prompts_table(store, "longtail")
-    assert len([r for r in table if r.startswith("| probe-01")]) == 2  # slo and fcfs, not vLLM
+    assert len([r for r in table if r.startswith("| probe-01 |")]) == 2  # slo and fcfs, not vLLM
     fcfs = next(r for r in table if "fcfs" in r)
     assert "3.00 [2.00, 4.00] (higher)" in fcfs  # queue delay intervals apart: fcfs waits longer
     probes = report.probe_rows(store, "longtail")
