@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import cpu_shares, cpu_times
 from proc import stop_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +35,7 @@ class BenchRun:
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     interrupted: bool = False  # stopped at its deadline (it still writes what it measured)
+    cpu: dict[str, float] | None = None  # busy / idle / steal shares of the machine's CPU time during it
 
     def result(self) -> dict[str, Any] | None:
         """The result document, or None when the run wrote none."""
@@ -76,6 +78,7 @@ def run_bench(
     cmd = [*tailserve, "bench", action, *args, "--out", str(out_prefix), "--no-progress"]
     log_path = suffixed(out_prefix, ".txt")
     load_before = os.getloadavg()
+    times_before = cpu_times()
     start = time.monotonic()
     interrupted = False
     with log_path.open("wb") as log_file:
@@ -105,4 +108,5 @@ def run_bench(
         load_before=load_before,
         load_after=os.getloadavg(),
         interrupted=interrupted,
+        cpu=cpu_shares(times_before, cpu_times()),
     )

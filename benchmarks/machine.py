@@ -8,6 +8,7 @@ import contextlib
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,3 +30,29 @@ def git_commit() -> str:
     """The checkout's short commit hash ('?' outside git)."""
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() or "?"
+
+
+def cpu_times() -> tuple[int, ...]:
+    """The machine's cumulative CPU time counters (/proc/stat `cpu`: user nice system idle iowait
+    irq softirq steal), in clock ticks; empty where /proc is absent."""
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return ()
+    return tuple(int(x) for x in first[1:9]) if first and first[0] == "cpu" else ()
+
+
+def cpu_shares(before: Sequence[int], after: Sequence[int]) -> dict[str, float] | None:
+    """Shares of all CPU time between two `cpu_times()`: busy (user + nice + system + irq + softirq),
+    idle (idle + iowait) and steal, the time the hypervisor gave this VM's CPUs to someone else.
+    Steal slows every server alike only if it is spread evenly; in bursts it makes tails. None
+    when either reading is missing."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(d)
+    if total <= 0:
+        return None
+    busy = d[0] + d[1] + d[2] + d[5] + d[6]
+    return {"busy": busy / total, "idle": (d[3] + d[4]) / total, "steal": d[7] / total}

@@ -156,8 +156,9 @@ def capacity_table(store: Store, workload: str) -> list[str]:
 
 POINT_HEADER = [
     "| point | req/s | server | n | P99 TTFT s | TTFT P99/mean | P99 TPOT ms | TPOT P99/mean | P99 slowdown "
-    "| slowdown P99/mean | P99 queue delay s | goodput req/s | met / fast 429 / slow miss / error | cached prompt |",
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    "| slowdown P99/mean | P99 queue delay s | goodput req/s | met / fast 429 / slow miss / error | cached prompt "
+    "| CPU steal |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
 ]
 
 
@@ -166,12 +167,15 @@ def point_row(name: str, key: str, p: dict[str, Any]) -> str:
     fates = f["fates"]
     share = f.get("cached_token_fraction")
     cached = "-" if share is None else f"{share:.0%}"  # prompt tokens the server said it had cached
+    cpu = (p.get("run") or {}).get("cpu")  # recorded from this harness's version on
+    steal = "-" if not cpu else f"{cpu['steal']:.1%}"
     return (
         f"| {name} | {p['rate']:g} | {LABELS[key]} | {f['measured']} | {ci(metric(p, 'ttft_s'))} "
         f"| {ci(metric(p, 'ttft_s', 'p99_over_mean'))} | {ci(metric(p, 'tpot_s'), 1000, 0)} "
         f"| {ci(metric(p, 'tpot_s', 'p99_over_mean'))} | {ci(metric(p, 'slowdown'))} "
         f"| {ci(metric(p, 'slowdown', 'p99_over_mean'))} | {ci(metric(p, 'queue_delay_s'))} "
-        f"| {ci(f['goodput_per_s'], digits=3)} | {fates['met']} / {fates['fast_429']} / {fates['slow_miss']} / {fates['error']} | {cached} |"
+        f"| {ci(f['goodput_per_s'], digits=3)} | {fates['met']} / {fates['fast_429']} / {fates['slow_miss']} / {fates['error']} | {cached} "
+        f"| {steal} |"
     )
 
 

@@ -120,6 +120,7 @@ def bench(
         "load_before": done.load_before,
         "load_after": done.load_after,
         "interrupted": done.interrupted,
+        "cpu": done.cpu,
     }
     if done.exit_code not in (0, 3):
         ctx.store.log(

@@ -357,3 +357,15 @@ def test_replayed_probes_are_set_beside_the_reference_only_at_the_same_rate(tmp_
     assert "3.00 [2.00, 4.00] (higher)" in fcfs  # queue delay intervals apart: fcfs waits longer
     probes = report.probe_rows(store, "longtail")
     assert [r.split("|")[2].strip() for r in probes[2:]] == ["1.9", "1.6", "1.6"]  # by rate, highest first
+
+
+def test_cpu_shares_split_busy_idle_and_steal() -> None:
+    from machine import cpu_shares, cpu_times
+
+    before = (100, 0, 10, 500, 0, 0, 0, 10)
+    after = (160, 0, 20, 520, 0, 0, 0, 30)  # 70 busy, 20 idle, 20 stolen of 110 ticks
+    shares = cpu_shares(before, after)
+    assert shares == pytest.approx({"busy": 70 / 110, "idle": 20 / 110, "steal": 20 / 110})
+    assert cpu_shares((), after) is None and cpu_shares(after, after) is None
+    now = cpu_times()
+    assert now == () or len(now) == 8  # Linux: the eight counters
