@@ -58,6 +58,14 @@ window's P99 has a bounded interval: below ~0.6 req/s a 30-minute soak has fewer
 (`--soak-min 60` then). `--quick` (12 requests a point, tailserve + llama.cpp) checks the harness
 in minutes; its numbers carry no verdict.
 
+When the hours are not there: `--length-scale F` multiplies every prompt and output length (frozen
+in the folder by its first run; x0.25 makes a 368-request probe 2-16 minutes here),
+`--search-only` runs the capacity searches and leaves every rate point out (listed as such), and
+`--replay KEY[:probe-01,...]` runs `--servers` at the rates of KEY's saved probes with the same
+prompts (saved as `replay-KEY-PROBE`, set beside KEY's in the report). Every bench run records the
+machine's busy / idle / steal shares of CPU time (`run.cpu`); on a VM, steal moves P99s as much as
+a server does, so read each row with its steal column.
+
 The SLO of each workload, set from phase 1 and frozen: P99 TTFT <= 1.5 x the fastest server's idle
 TTFT of the workload's longest prompt (1650 tokens long-tail, 1424 multi-turn), the tightest target
 some server meets when idle (a server slower than that at prefill cannot meet it even alone: its
