@@ -111,7 +111,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--replay",
         metavar="KEY[:PROBE,...]",
         help="instead of searching, run --servers at the rates of KEY's saved probes (all, or those "
-        "named), under the same names and so with the same prompts",
+        "named) with the same prompts; KEY itself only when it is the one server named (a rerun in a "
+        "fresh process)",
     )
     p.add_argument("--render", type=Path, metavar="DIR", help="only write the report of DIR")
     p.add_argument("--doc", type=Path, help="also write the markdown here (e.g. docs/COMPARE.md)")
@@ -278,8 +279,8 @@ def compare_all(
             continue
         if args.replay:
             source, _, names = args.replay.partition(":")
-            for key in keys:
-                if key != source:
+            for key in keys:  # the source itself only when it is the one server named: a rerun
+                if key != source or keys == [source]:
                     replay(ctx, key, workload, slo, source, [n for n in names.split(",") if n])
             continue
         # Every server also runs at 80% of tailserve (slo)'s capacity (the same offered load for all).

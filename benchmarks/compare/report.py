@@ -222,26 +222,21 @@ def same_prompts_table(store: Store, workload: str) -> list[str]:
         "| --- | ---: | --- |" + " ---: |" * (len(names) + 1),
     ]
     found = False
-    for key in servers_in(store, workload):
-        if key == REFERENCE:
-            continue
+    for key in servers_in(store, workload):  # tailserve (slo)'s own replays are reruns in a fresh process
         for p in store.points(key, workload, f"replay-{REFERENCE}-"):
             mine_ref = ours.get(p.get("replay_of"))
             if mine_ref is None or abs(mine_ref["rate"] - p["rate"]) > 1e-9:
                 continue  # its own search's probe, at another rate
             found = True
-            for k, doc in ((REFERENCE, mine_ref), (key, p)):
+            label = f"{LABELS[key]}, rerun" if key == REFERENCE else LABELS[key]
+            for row, (who, doc) in enumerate(((LABELS[REFERENCE], mine_ref), (label, p))):
                 cells = []
                 for name, scale, _ in names:
                     mine = metric(doc, name)
-                    verdict = (
-                        ""
-                        if k == REFERENCE
-                        else f" ({compare(interval(mine), interval(metric(mine_ref, name)))})"
-                    )
+                    verdict = f" ({compare(interval(mine), interval(metric(mine_ref, name)))})" if row else ""
                     cells.append(ci(mine, scale, 0 if scale > 1 else 2) + verdict)
                 lines.append(
-                    f"| {p['replay_of']} | {p['rate']:g} | {LABELS[k]} | {' | '.join(cells)} "
+                    f"| {p['replay_of']} | {p['rate']:g} | {who} | {' | '.join(cells)} "
                     f"| {ci(doc['figures']['goodput_per_s'], digits=3)} |"
                 )
     return lines if found else ["(no replayed probe yet: `--replay ts-slo` runs another server on them)"]

@@ -351,8 +351,12 @@ def test_replayed_probes_are_set_beside_the_reference_only_at_the_same_rate(tmp_
     store.save(
         {**point(1.9, (0.1, 0.05, 0.2), (1.8, 1.7, 1.9)), "name": "probe-01"}, "vllm", "longtail", "probe-01"
     )
+    rerun = {**point(1.6, (0.5, 0.4, 0.6), (1.5, 1.4, 1.6)), "name": "replay-ts-slo-probe-01"}
+    store.save({**rerun, "replay_of": "probe-01"}, "ts-slo", "longtail", "replay-ts-slo-probe-01")
     table = report.same_prompts_table(store, "longtail")
-    assert len([r for r in table if r.startswith("| probe-01 |")]) == 2  # slo and fcfs, not vLLM
+    rows = [r for r in table if r.startswith("| probe-01 |")]
+    assert len(rows) == 4  # the rerun of slo in a fresh process and fcfs, each under slo's original; not vLLM
+    assert "| tailserve (slo), rerun |" in rows[1] and "0.50 [0.40, 0.60] (not enough data)" in rows[1]
     fcfs = next(r for r in table if "fcfs" in r)
     assert "3.00 [2.00, 4.00] (higher)" in fcfs  # queue delay intervals apart: fcfs waits longer
     probes = report.probe_rows(store, "longtail")
