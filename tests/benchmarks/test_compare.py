@@ -360,7 +360,12 @@ def test_replayed_probes_are_set_beside_the_reference_only_at_the_same_rate(tmp_
     fcfs = next(r for r in table if "fcfs" in r)
     assert "3.00 [2.00, 4.00] (higher)" in fcfs  # queue delay intervals apart: fcfs waits longer
     probes = report.probe_rows(store, "longtail")
-    assert [r.split("|")[2].strip() for r in probes[2:]] == ["1.9", "1.6", "1.6", "1.6"]  # by rate, highest first
+    assert [r.split("|")[2].strip() for r in probes[2:]] == [
+        "1.9",
+        "1.6",
+        "1.6",
+        "1.6",
+    ]  # by rate, highest first
 
 
 def test_cpu_shares_split_busy_idle_and_steal() -> None:
