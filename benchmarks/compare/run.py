@@ -155,6 +155,19 @@ def started(
     return spec, ServerProcess(spec.command, port, log_path, spec.ready_path, spec.env, ROOT)
 
 
+def start_and_warm(
+    ctx: Context, key: str, workload: Workload, spec: ServerSpec, server: ServerProcess
+) -> str:
+    """Wait for a started server to be ready, then warm it up; "" when it is, else why not (logged)."""
+    try:
+        server.wait_ready(timeout_s=900)
+    except RuntimeError as exc:
+        ctx.store.log(f"{key}/{workload.name}: did not start: {exc}")
+        return f"did not start: {exc}"
+    warm_up(ctx, spec, server.url, workload)
+    return ""
+
+
 def server_record(spec: ServerSpec, server: ServerProcess) -> dict[str, Any]:
     env = " ".join(f"{k}={v}" for k, v in spec.env.items())
     command = " ".join(spec.command).replace(launch.HF_LAUNCH, '"$HF_LAUNCH"')
@@ -171,13 +184,9 @@ def calibrate(ctx: Context, key: str, workload: Workload) -> dict[str, Any] | No
     spec, server = started(ctx, key, workload, None, "calibration")
     store.log(f"{key}/{workload.name}: starting {spec.label} to calibrate")
     with server:
-        try:
-            server.wait_ready(timeout_s=900)
-        except RuntimeError as exc:
-            store.log(f"{key}/{workload.name}: did not start: {exc}")
-            store.save({"error": f"did not start: {exc}"}, key, workload.name, "failed")
+        if error := start_and_warm(ctx, key, workload, spec, server):
+            store.save({"error": error}, key, workload.name, "failed")
             return None
-        warm_up(ctx, spec, server.url, workload)
         cal = bench_calibration(ctx, spec, server.url, workload) or own_calibration(
             ctx, spec, server.url, workload
         )
@@ -327,12 +336,8 @@ def measure(
     spec, server = started(ctx, key, workload, slo, "measure")
     store.log(f"{key}/{workload.name}: starting {spec.label}")
     with server:
-        try:
-            server.wait_ready(timeout_s=900)
-        except RuntimeError as exc:
-            store.log(f"{key}/{workload.name}: did not start: {exc}")
+        if start_and_warm(ctx, key, workload, spec, server):
             return None
-        warm_up(ctx, spec, server.url, workload)
         probes, spent, note = search(ctx, spec, server.url, workload, slo, cal_doc, rate_max, drain_s)
         if note:
             store.log(f"{key}/{workload.name}: {note}")
@@ -395,12 +400,8 @@ def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, na
     spec, server = started(ctx, key, workload, slo, f"replay-{source}")
     store.log(f"{key}/{workload.name}: starting {spec.label} to replay {source}'s probes")
     with server:
-        try:
-            server.wait_ready(timeout_s=900)
-        except RuntimeError as exc:
-            store.log(f"{key}/{workload.name}: did not start: {exc}")
+        if start_and_warm(ctx, key, workload, spec, server):
             return
-        warm_up(ctx, spec, server.url, workload)
         for p in todo:
             run_point(ctx, spec, server.url, workload, slo, calibration_of(cal_doc), replay_name(source, p["name"]),
                       p["rate"], sizes.probe_requests, f"{source}'s {p['name']} replayed (same rate, same prompts)",
