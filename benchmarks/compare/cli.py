@@ -234,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     keys = [k for k in (args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)).split(",") if k]
     unknown = set(keys) - set(SERVERS + OTHER_SERVERS)
+    if args.replay and (source := args.replay.partition(":")[0]) not in SERVERS + OTHER_SERVERS:
+        sys.exit(f"--replay: unknown server {source!r} (one of {', '.join(SERVERS + OTHER_SERVERS)})")
     keys.sort(key=lambda k: (k != REFERENCE, (SERVERS + OTHER_SERVERS).index(k)))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     store = Store(args.out or envs.ROOT / "bench-results" / f"compare-{stamp}")

@@ -378,3 +378,11 @@ def test_cpu_shares_split_busy_idle_and_steal() -> None:
     assert cpu_shares((), after) is None and cpu_shares(after, after) is None
     now = cpu_times()
     assert now == () or len(now) == 8  # Linux: the eight counters
+
+
+def test_a_replay_of_an_unknown_server_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    from compare.cli import main
+
+    with pytest.raises(SystemExit, match="unknown server 'nobody'"):
+        main(["--out", str(tmp_path / "run"), "--servers", "ts-fcfs", "--replay", "nobody:probe-01"])
+    assert not (tmp_path / "run").exists()
