@@ -199,15 +199,16 @@ def point_rows(store: Store, workload: str) -> list[str]:
 def probe_rows(store: Store, workload: str) -> list[str]:
     """Every capacity probe (and replayed probe) of every server, by rate, highest first: each is a
     full run of its own, with the same figures as a rate point."""
+    keys = servers_in(store, workload)
     probes = [
         (p["rate"], key, p)
-        for key in servers_in(store, workload)
+        for key in keys
         for prefix in ("probe-", "replay-")
         for p in store.points(key, workload, prefix)
     ]
     if not probes:
         return ["(no probe yet)"]
-    probes.sort(key=lambda x: (-x[0], servers_in(store, workload).index(x[1])))
+    probes.sort(key=lambda x: (-x[0], keys.index(x[1])))
     return [*POINT_HEADER, *(point_row(p.get("name", "probe"), key, p) for _, key, p in probes)]
 
 
