@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -247,3 +247,122 @@ def test_fused_forward_matches_the_torch_path_on_the_real_model(lib: ctypes.CDLL
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += a.shape[0]
     assert agree >= 0.9 * total, f"{agree}/{total} rows agree on the top token"
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], int]]:
+    """Sets torch's and the kernels' thread count together (as `--num-threads` does); restored after."""
+    before = torch.get_num_threads()
+
+    def use(n: int) -> int:
+        torch.set_num_threads(n)
+        return cpu_kernels.sync_threads()
+
+    yield use
+    use(before)
+
+
+def test_the_kernels_share_torchs_openmp_threads(lib: ctypes.CDLL, threads: Callable[[int], int]) -> None:
+    """Built with OpenMP, the kernels follow `--num-threads` and bind to the libgomp torch loaded: one
+    team of threads in the process, not a second pool spinning against torch's on the same cores."""
+    assert threads(3) == 3 and lib.ts_threads() == 3
+    assert threads(1) == 1
+    # The kernels link libgomp.so.1 by soname; wheels that vendor their own rename it (libgomp-HASH).
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if line.endswith("/libgomp.so.1")}
+    assert len(gomp) == 1, f"two OpenMP runtimes loaded: {sorted(gomp)}"
+    assert Path(torch.__file__).parent in Path(gomp.pop()).parents, "the kernels' libgomp is not torch's"
+
+
+def test_every_kernel_gives_the_same_bits_at_any_thread_count(
+    amx: ctypes.CDLL, threads: Callable[[int], int]
+) -> None:
+    """Threads split outputs (tiles, sequences, rows), never a sum: 1, 2 and 3 threads agree bit for
+    bit on the int4 decode and prompt matmuls, the q8 head, decode attention and the row kernels."""
+    t = _blocks("Q4_1", 960, 576, seed=3)
+    groups = int4_from_blocks(t)
+    assert groups is not None
+    q4 = pack_amx_int4(groups, amx, torch.randn(960, generator=torch.Generator().manual_seed(4)))
+    g8 = int8_groups_from_blocks(_blocks("Q8_0", 1000, 576, seed=5))
+    assert g8 is not None
+    q8 = pack_amx_int8(g8, amx)
+    bs, lens, heads, kv_heads, dim = 16, [1, 17, 100, 257, 40], 9, 3, 64
+    width = max(-(-n // bs) for n in lens)
+    g = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(len(lens) * width * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(torch.bfloat16)
+    tables = torch.randperm(len(lens) * width, generator=g).view(len(lens), width).contiguous()
+    q = _bf(len(lens), heads, dim, seed=7)
+    seq_lens = torch.tensor(lens)
+    x_decode, x_prompt = _bf(16, 576, seed=8), _bf(300, 576, seed=9)
+    gu, h0, delta, w = (
+        _bf(300, 2 * 1536, seed=10),
+        torch.randn(300, 576),
+        _bf(300, 576, seed=11),
+        torch.rand(576),
+    )
+
+    def run() -> list[torch.Tensor]:
+        attn = torch.empty_like(q)
+        amx.ts_paged_decode_attention(
+            ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), width, ptr(seq_lens), ptr(attn),
+            len(lens), heads, kv_heads, dim, bs, dim**-0.5,
+        )  # fmt: skip
+        act, h, normed = torch.empty(300, 1536, dtype=torch.bfloat16), h0.clone(), torch.empty_like(delta)
+        amx.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
+        amx.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
+        return [q4.matmul(x_decode), q4.prefill_matmul(x_prompt), q8.matmul(x_decode), attn, act, h, normed]
+
+    assert threads(1) == 1
+    alone = run()
+    for n in (2, 3):
+        assert threads(n) == n
+        for i, (a, b) in enumerate(zip(alone, run(), strict=True)):
+            assert torch.equal(a, b), f"output {i} differs at {n} threads"
+
+
+def test_the_fused_forward_is_the_same_at_two_threads(
+    lib: ctypes.CDLL, smol: LoadedModel, threads: Callable[[int], int]
+) -> None:
+    """The real model, a prompt and a mixed step: the logits at 2 threads equal those at 1 exactly."""
+    runner = _runner(smol, True)
+    prompt = smol.tokenizer.encode("The river Tiber runs through the city of Rome, and its bridges")
+    greedy = SamplingSpec()
+    steps = [
+        [SeqChunk(prompt, 0, [0, 1], True, greedy), SeqChunk(prompt[:7], 0, [2], True, greedy)],
+        [
+            SeqChunk([prompt[3]], len(prompt), [0, 1], True, greedy, decode=True),
+            SeqChunk([prompt[4]], 7, [2], True, greedy, decode=True),
+        ],
+    ]
+    got = {}
+    for n in (1, 2):
+        assert threads(n) == n
+        got[n] = [runner.logits_for(chunks).clone() for chunks in steps]
+    for a, b in zip(got[1], got[2], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_without_openmp_the_kernels_build_single_threaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compiler that refuses -fopenmp still builds the kernels: they run on the caller's thread."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None or platform.system() != "Linux":
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-no-openmp"
+    wrapper.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    caplog.set_level("INFO", logger="tailserve.model.cpu_kernels")
+    lib = cpu_kernels.load()
+    assert lib is not None
+    assert "no OpenMP" in caplog.text
+    assert lib.ts_set_threads(4) == 1
+    x, ones = torch.randn(3, 8), torch.ones(8)
+    out = torch.empty(3, 8, dtype=torch.bfloat16)
+    lib.ts_rms_norm(ptr(x), ptr(ones), ptr(out), 3, 8, 1e-6)
+    torch.testing.assert_close(out.float(), F.rms_norm(x, (8,), eps=1e-6), atol=1e-2, rtol=1e-2)

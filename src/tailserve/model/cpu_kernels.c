@@ -10,6 +10,7 @@
 #define _GNU_SOURCE /* syscall() */
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,17 +33,125 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 1; }
+int ts_abi_version(void) { return 2; }
+
+/* --- Threads: the matmuls and decode attention split their independent outputs -----------------
+ *
+ * A job is n chunks (output tiles or sequences), claimed one at a time from a shared counter by the
+ * threads of an OpenMP team, so a thread slowed by a busy or stolen core takes fewer. Each chunk
+ * writes its own outputs: results are the same bits at any thread count. The team is torch's own:
+ * torch loads its libgomp first and this library binds to the loaded copy (same soname), so torch's
+ * ops and these kernels share one set of threads instead of two pools spinning against each other
+ * on the same cores. Built without OpenMP (no libgomp for the compiler), every job runs on the
+ * caller's thread. */
+typedef void (*chunk_fn)(const void *job, int64_t chunk);
+
+static int pool_threads = 1; /* threads a kernel uses, the caller's included (ts_set_threads) */
+
+/* Threads the kernels use from now on (1: the caller's alone); returns the count in effect. */
+int ts_set_threads(int n) {
+#if defined(_OPENMP)
+    pool_threads = n < 1 ? 1 : n > 256 ? 256 : n;
+#else
+    (void)n;
+    pool_threads = 1;
+#endif
+    return pool_threads;
+}
+
+int ts_threads(void) { return pool_threads; }
+
+/* Run chunks 0 .. n-1 of a job over the kernels' threads. */
+static void parallel_chunks(chunk_fn run, const void *args, int64_t n) {
+    const int threads = n < pool_threads ? (int)n : pool_threads;
+    if (threads <= 1) {
+        for (int64_t c = 0; c < n; c++) run(args, c);
+        return;
+    }
+#if defined(_OPENMP)
+    _Atomic int64_t next = 0;
+#pragma omp parallel num_threads(threads)
+    for (int64_t c; (c = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed)) < n;) run(args, c);
+#endif
+}
+
+/* Chunks of about `per` items out of `items`, at least one per thread where items allow. */
+static inline int64_t chunk_count(int64_t items, int64_t per) {
+    int64_t n = (items + per - 1) / per;
+    return n < 1 ? 1 : n;
+}
+
+/* Row-wise kernels split into chunks of rows once a call is big enough (prompt rows) to pay for
+ * waking the team; a decode step's few rows stay on the caller's thread. */
+#define ROW_SPLIT_ELEMENTS (1 << 16)
+typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn run;
+    const void *args;
+    int64_t rows, per;
+} rows_job;
+
+static void rows_chunk(const void *arg, int64_t chunk) {
+    const rows_job *j = (const rows_job *)arg;
+    const int64_t r0 = chunk * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
+    j->run(j->args, r0, r1);
+}
+
+static void parallel_rows(rows_fn run, const void *args, int64_t rows, int64_t width) {
+    if (pool_threads <= 1 || rows * width < ROW_SPLIT_ELEMENTS) {
+        run(args, 0, rows);
+        return;
+    }
+    int64_t per = rows / (4 * (int64_t)pool_threads);
+    per = per < 1 ? 1 : per;
+    const rows_job job = {run, args, rows, per};
+    parallel_chunks(rows_chunk, &job, chunk_count(rows, per));
+}
+
+typedef struct {
+    float *h;
+    const bf16 *delta;
+    int64_t delta_stride, dim;
+    const float *w;
+    bf16 *out;
+    float eps;
+} norm_args;
+
+static void rms_norm_rows(const void *arg, int64_t r0, int64_t r1) {
+    const norm_args *a = (const norm_args *)arg;
+    const int64_t dim = a->dim;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = a->h + r * dim;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+        float inv = 1.0f / sqrtf(ss / (float)dim + a->eps);
+        bf16 *o = a->out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(x[i] * inv * a->w[i]);
+    }
+}
 
 /* out[r] = bf16(h[r] * rsqrt(mean(h[r]^2) + eps) * w), h float32 [rows, dim]. */
 void ts_rms_norm(const float *h, const float *w, bf16 *out, int64_t rows, int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = h + r * dim;
+    const norm_args a = {(float *)h, NULL, 0, dim, w, out, eps};
+    parallel_rows(rms_norm_rows, &a, rows, dim);
+}
+
+static void add_rms_norm_rows(const void *arg, int64_t r0, int64_t r1) {
+    const norm_args *a = (const norm_args *)arg;
+    const int64_t dim = a->dim;
+    for (int64_t r = r0; r < r1; r++) {
+        float *x = a->h + r * dim;
+        const bf16 *d = a->delta + r * a->delta_stride;
         float ss = 0.0f;
-        for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        bf16 *o = out + r * dim;
-        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(x[i] * inv * w[i]);
+        for (int64_t i = 0; i < dim; i++) {
+            float v = x[i] + bf16_to_f32(d[i]);
+            x[i] = v;
+            ss += v * v;
+        }
+        if (a->w == NULL) continue;
+        float inv = 1.0f / sqrtf(ss / (float)dim + a->eps);
+        bf16 *o = a->out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(x[i] * inv * a->w[i]);
     }
 }
 
@@ -50,33 +159,34 @@ void ts_rms_norm(const float *h, const float *w, bf16 *out, int64_t rows, int64_
  * h[r] += delta[r] (bf16, row stride delta_stride); out[r] = bf16(rms_norm(h[r]) * w). */
 void ts_add_rms_norm(float *h, const bf16 *delta, int64_t delta_stride, const float *w, bf16 *out,
                      int64_t rows, int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *x = h + r * dim;
-        const bf16 *d = delta + r * delta_stride;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = x[i] + bf16_to_f32(d[i]);
-            x[i] = v;
-            ss += v * v;
-        }
-        if (w == NULL) continue;
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        bf16 *o = out + r * dim;
-        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(x[i] * inv * w[i]);
-    }
+    const norm_args a = {h, delta, delta_stride, dim, w, out, eps};
+    parallel_rows(add_rms_norm_rows, &a, rows, dim);
 }
 
-/* out[r, i] = bf16(silu(gu[r, i]) * gu[r, inter + i]), gu bf16 [rows, 2 * inter] (gate | up). */
-void ts_silu_mul(const bf16 *gu, bf16 *out, int64_t rows, int64_t inter) {
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *g = gu + r * 2 * inter;
+typedef struct {
+    const bf16 *gu;
+    bf16 *out;
+    int64_t inter;
+} silu_args;
+
+static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
+    const silu_args *a = (const silu_args *)arg;
+    const int64_t inter = a->inter;
+    for (int64_t r = r0; r < r1; r++) {
+        const bf16 *g = a->gu + r * 2 * inter;
         const bf16 *u = g + inter;
-        bf16 *o = out + r * inter;
+        bf16 *o = a->out + r * inter;
         for (int64_t i = 0; i < inter; i++) {
             float x = bf16_to_f32(g[i]);
             o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
         }
     }
+}
+
+/* out[r, i] = bf16(silu(gu[r, i]) * gu[r, inter + i]), gu bf16 [rows, 2 * inter] (gate | up). */
+void ts_silu_mul(const bf16 *gu, bf16 *out, int64_t rows, int64_t inter) {
+    const silu_args a = {gu, out, inter};
+    parallel_rows(silu_mul_rows, &a, rows, 2 * inter);
 }
 
 /* Rotary embedding (rotate-half layout) of q and k in place inside the fused qkv rows, then the
@@ -519,6 +629,54 @@ static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
  * number 128 + q by OR-ing it into 0x4300, so the tile sums (128 + q) x, and the caller passes
  * shifted_min = min - 128 * scale to take the 128 back out through sum(x) of the group.
  * scale / shifted_min float32 [n_out / 16, k / 32, 16]. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+typedef struct {
+    const bf16 *x;
+    int64_t rows, k, n_out, tiles_per_chunk, tiles;
+    const void *packed;
+    const float *scale, *shifted_min, *xsum; /* shifted_min / xsum NULL: q8 */
+    const bf16 *bias;
+    void *y; /* bf16 (q4) or float32 (q8) [rows, n_out] */
+} tile_job;
+
+/* One chunk of ts_q4_matmul / ts_q8_matmul: its output tiles for every row. */
+static void tile_chunk(const void *arg, int64_t chunk) {
+    const tile_job *j = (const tile_job *)arg;
+    const int q4 = j->xsum != NULL;
+    const int64_t groups = j->k / GROUP_K, t0 = chunk * j->tiles_per_chunk;
+    const int64_t t1 = t0 + j->tiles_per_chunk < j->tiles ? t0 + j->tiles_per_chunk : j->tiles;
+    const int64_t tile_bytes = q4 ? (j->k / 4) * 32 : groups * 512;
+    float acc[16 * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < j->rows; m0 += 16) {
+        const int64_t mb = j->rows - m0 < 16 ? j->rows - m0 : 16;
+        amx_config(mb);
+        for (int64_t t = t0; t < t1; t++) {
+            memset(acc, 0, sizeof acc);
+            amx_tile(j->x + m0 * j->k, j->k, (const uint8_t *)j->packed + t * tile_bytes, q4, j->scale + t * groups * 16,
+                     q4 ? j->shifted_min + t * groups * 16 : NULL, q4 ? j->xsum + m0 * groups : NULL, acc, mb);
+            for (int64_t r = 0; r < mb; r++) {
+                __m512 out = _mm512_loadu_ps(acc + r * 16);
+                if (q4) {
+                    if (j->bias != NULL) out = _mm512_add_ps(out, load16_bf16(j->bias + t * 16));
+                    _mm256_storeu_si256((__m256i *)((bf16 *)j->y + (m0 + r) * j->n_out + t * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(out));
+                } else {
+                    _mm512_storeu_ps((float *)j->y + (m0 + r) * j->n_out + t * 16, out);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* Output tiles per chunk: about four chunks a thread, so a late or slow thread is made up for. */
+static inline int64_t tiles_per_chunk(int64_t tiles) {
+    const int64_t want = 4 * (int64_t)pool_threads;
+    const int64_t per = tiles / want;
+    return pool_threads <= 1 ? tiles : per < 1 ? 1 : per;
+}
+#endif
+
 void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
                   const float *shifted_min, const bf16 *bias, int64_t n_out, bf16 *y) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -530,22 +688,9 @@ void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed,
             for (int64_t i = 0; i < GROUP_K; i++) s += bf16_to_f32(x[r * k + g * GROUP_K + i]);
             xsum[r * groups + g] = s;
         }
-    float acc[16 * 16] __attribute__((aligned(64)));
-    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-        const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
-        amx_config(mb);
-        for (int64_t t = 0; t < tiles; t++) {
-            memset(acc, 0, sizeof acc);
-            amx_tile(x + m0 * k, k, packed + t * (k / 4) * 32, 1, scale + t * groups * 16,
-                     shifted_min + t * groups * 16, xsum + m0 * groups, acc, mb);
-            for (int64_t r = 0; r < mb; r++) {
-                __m512 out = _mm512_loadu_ps(acc + r * 16);
-                if (bias != NULL) out = _mm512_add_ps(out, load16_bf16(bias + t * 16));
-                _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n_out + t * 16), (__m256i)_mm512_cvtneps_pbh(out));
-            }
-        }
-    }
-    _tile_release();
+    const int64_t per = tiles_per_chunk(tiles);
+    const tile_job job = {x, rows, k, n_out, per, tiles, packed, scale, shifted_min, xsum, bias, y};
+    parallel_chunks(tile_chunk, &job, chunk_count(tiles, per));
     free(xsum);
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)shifted_min, (void)bias, (void)n_out, (void)y;
@@ -578,51 +723,68 @@ static inline void widen_q4_group_dense(const uint8_t *w, const float *scale, co
 }
 #endif
 
-void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
-                          const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    /* Two output tiles at a time share each A tile: C tiles 0 and 3, A in 1, B in 2 and 5. */
-    const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
+typedef struct {
+    const bf16 *x;
+    int64_t rows, k, n_out, tiles;
+    const uint8_t *packed;
+    const float *scale, *min;
+    const bf16 *bias;
+    bf16 *y;
+} prefill_job;
+
+/* One chunk of ts_q4_prefill_matmul: a pair of output tiles (widened once) for every row.
+ * Two output tiles share each A tile: C tiles 0 and 3, A in 1, B in 2 and 5. */
+static void prefill_chunk(const void *arg, int64_t chunk) {
+    const prefill_job *j = (const prefill_job *)arg;
+    const int64_t k = j->k, groups = k / GROUP_K, t = 2 * chunk;
+    const int64_t pair = j->tiles - t >= 2 ? 2 : 1;
     bf16 *widened = (bf16 *)aligned_alloc(64, (size_t)(2 * groups * 512) * sizeof(bf16));
     float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
-    for (int64_t t = 0; t < tiles; t += 2) {
-        const int64_t pair = tiles - t >= 2 ? 2 : 1;
-        for (int64_t p = 0; p < pair; p++) {
-            const uint8_t *w = packed + (t + p) * (k / 4) * 32;
-            for (int64_t g = 0; g < groups; g++)
-                widen_q4_group_dense(w + g * 256, scale + ((t + p) * groups + g) * 16,
-                                     min + ((t + p) * groups + g) * 16, widened + (p * groups + g) * 512);
-        }
-        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-            const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
-            if (m0 == 0 || mb < 16) amx_config(mb);
-            const bf16 *xb = x + m0 * k;
-            _tile_zero(0);
-            _tile_zero(3);
-            for (int64_t g = 0; g < groups; g++) {
-                _tile_loadd(1, xb + g * GROUP_K, k * 2);
-                _tile_loadd(2, widened + g * 512, 64);
-                _tile_dpbf16ps(0, 1, 2);
-                if (pair == 2) {
-                    _tile_loadd(5, widened + (groups + g) * 512, 64);
-                    _tile_dpbf16ps(3, 1, 5);
-                }
+    for (int64_t p = 0; p < pair; p++) {
+        const uint8_t *w = j->packed + (t + p) * (k / 4) * 32;
+        for (int64_t g = 0; g < groups; g++)
+            widen_q4_group_dense(w + g * 256, j->scale + ((t + p) * groups + g) * 16,
+                                 j->min + ((t + p) * groups + g) * 16, widened + (p * groups + g) * 512);
+    }
+    for (int64_t m0 = 0; m0 < j->rows; m0 += 16) {
+        const int64_t mb = j->rows - m0 < 16 ? j->rows - m0 : 16;
+        if (m0 == 0 || mb < 16) amx_config(mb);
+        const bf16 *xb = j->x + m0 * k;
+        _tile_zero(0);
+        _tile_zero(3);
+        for (int64_t g = 0; g < groups; g++) {
+            _tile_loadd(1, xb + g * GROUP_K, k * 2);
+            _tile_loadd(2, widened + g * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            if (pair == 2) {
+                _tile_loadd(5, widened + (groups + g) * 512, 64);
+                _tile_dpbf16ps(3, 1, 5);
             }
-            _tile_stored(0, c0, 64);
-            _tile_stored(3, c1, 64);
-            for (int64_t p = 0; p < pair; p++) {
-                const float *c = p == 0 ? c0 : c1;
-                for (int64_t r = 0; r < mb; r++) {
-                    __m512 out = _mm512_loadu_ps(c + r * 16);
-                    if (bias != NULL) out = _mm512_add_ps(out, load16_bf16(bias + (t + p) * 16));
-                    _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n_out + (t + p) * 16),
-                                        (__m256i)_mm512_cvtneps_pbh(out));
-                }
+        }
+        _tile_stored(0, c0, 64);
+        _tile_stored(3, c1, 64);
+        for (int64_t p = 0; p < pair; p++) {
+            const float *c = p == 0 ? c0 : c1;
+            for (int64_t r = 0; r < mb; r++) {
+                __m512 out = _mm512_loadu_ps(c + r * 16);
+                if (j->bias != NULL) out = _mm512_add_ps(out, load16_bf16(j->bias + (t + p) * 16));
+                _mm256_storeu_si256((__m256i *)(j->y + (m0 + r) * j->n_out + (t + p) * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(out));
             }
         }
     }
     _tile_release();
     free(widened);
+}
+#endif
+
+void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
+                          const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    const int64_t tiles = n_out / TILE_N;
+    const prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y};
+    parallel_chunks(prefill_chunk, &job, (tiles + 1) / 2);
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)min, (void)bias, (void)n_out, (void)y;
 #endif
@@ -634,18 +796,9 @@ void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t 
 void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, const float *scale,
                   int64_t n_out, float *y) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
-    float acc[16 * 16] __attribute__((aligned(64)));
-    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-        const int64_t mb = rows - m0 < 16 ? rows - m0 : 16;
-        amx_config(mb);
-        for (int64_t t = 0; t < tiles; t++) {
-            memset(acc, 0, sizeof acc);
-            amx_tile(x + m0 * k, k, packed + t * groups * 512, 0, scale + t * groups * 16, NULL, NULL, acc, mb);
-            for (int64_t r = 0; r < mb; r++) _mm512_storeu_ps(y + (m0 + r) * n_out + t * 16, _mm512_loadu_ps(acc + r * 16));
-        }
-    }
-    _tile_release();
+    const int64_t tiles = n_out / TILE_N, per = tiles_per_chunk(tiles);
+    const tile_job job = {x, rows, k, n_out, per, tiles, packed, scale, NULL, NULL, NULL, y};
+    parallel_chunks(tile_chunk, &job, chunk_count(tiles, per));
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)n_out, (void)y;
 #endif
@@ -656,42 +809,63 @@ void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, 
  * block_tables int64 [seqs, table_width]; lens int64 [seqs]; out bf16 [seqs, heads, dim].
  * The cache is walked in slot order, each key row loaded once for the query heads of its group; the
  * scores are kept whole, so the softmax is exact (max, then exp and sum, then the weighted values). */
+typedef struct {
+    const bf16 *q, *k_cache, *v_cache;
+    int64_t q_stride, table_width, heads, kv_heads, dim, block_size, max_len;
+    const int64_t *block_tables, *lens;
+    bf16 *out;
+    float scale;
+} attention_job;
+
+/* A thread's scratch for attention, grown as needed and kept (one set per pool thread). */
+static __thread float *scratch = NULL;
+static __thread size_t scratch_floats = 0;
+
+static float *thread_scratch(size_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch);
+        scratch = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
+        scratch_floats = scratch == NULL ? 0 : floats;
+    }
+    return scratch;
+}
+
+/* One chunk of ts_paged_decode_attention: one sequence. */
+static void attention_chunk(const void *arg, int64_t s) {
+    const attention_job *j = (const attention_job *)arg;
+    const int64_t heads = j->heads, dim = j->dim, max_len = j->max_len;
+    const int64_t hd = heads * dim, tile = (max_len + 16) * 16, score = heads * max_len;
+    float *buf = thread_scratch((size_t)(2 * hd + (tile > score ? tile : score)));
+    if (buf == NULL) abort(); /* out of memory for a few KB of scratch */
+    float *qf = buf, *acc = buf + hd, *scores = buf + 2 * hd;
+    const bf16 *qs = j->q + s * j->q_stride;
+    const int64_t *table = j->block_tables + s * j->table_width;
+    bf16 *os = j->out + s * hd;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (attend_one_amx(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, dim,
+                                       j->block_size, j->scale, scores, acc))
+        return;
+#endif
+    if (dim == 64)
+        attend_one(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, 64, j->block_size, j->scale,
+                   scores, max_len, qf, acc);
+    else if (dim == 128)
+        attend_one(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, 128, j->block_size,
+                   j->scale, scores, max_len, qf, acc);
+    else
+        attend_one(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, dim, j->block_size,
+                   j->scale, scores, max_len, qf, acc);
+}
+
 void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                                const int64_t *block_tables, int64_t table_width, const int64_t *lens,
                                bf16 *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                int64_t block_size, float scale) {
     int64_t max_len = 0;
     for (int64_t s = 0; s < seqs; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
-    float *scores = (float *)malloc((size_t)(heads * max_len) * sizeof(float));
-    float *qf = (float *)malloc((size_t)(heads * dim) * sizeof(float));
-    float *acc = (float *)malloc((size_t)(heads * dim) * sizeof(float));
-    float *tile_scores = NULL;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    tile_scores = (float *)aligned_alloc(64, (size_t)((max_len + 16) * 16) * sizeof(float));
-#endif
-    for (int64_t s = 0; s < seqs; s++) {
-        const bf16 *qs = q + s * q_stride;
-        const int64_t *table = block_tables + s * table_width;
-        bf16 *os = out + s * heads * dim;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-        if (attend_one_amx(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, dim, block_size, scale,
-                           tile_scores, acc))
-            continue;
-#endif
-        if (dim == 64)
-            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 64, block_size, scale,
-                       scores, max_len, qf, acc);
-        else if (dim == 128)
-            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, 128, block_size, scale,
-                       scores, max_len, qf, acc);
-        else
-            attend_one(qs, k_cache, v_cache, table, lens[s], os, heads, kv_heads, dim, block_size, scale,
-                       scores, max_len, qf, acc);
-    }
-    free(tile_scores);
-    free(acc);
-    free(qf);
-    free(scores);
+    const attention_job job = {q, k_cache, v_cache, q_stride, table_width, heads, kv_heads, dim, block_size, max_len,
+                               block_tables, lens, out, scale};
+    parallel_chunks(attention_chunk, &job, seqs);
 }
 
 /* Lay int4 codes [n_out, k] (one code a byte, 0..15; n_out a multiple of 16, k of 32) out as

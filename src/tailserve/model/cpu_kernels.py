@@ -28,8 +28,11 @@ from tailserve.model.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
+# Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
+# where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
+OPENMP = "-fopenmp"
 DISABLE_ENV = "TAILSERVE_CPU_KERNELS"  # "0" turns the kernels off (the torch path runs)
 
 _P = ctypes.c_void_p
@@ -61,9 +64,14 @@ def _build(cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
+        for flags in ([*FLAGS, OPENMP], FLAGS):
+            cmd = [cc, *flags, str(SOURCE), "-o", str(out), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                break
+            if OPENMP in flags:
+                log.info("fused CPU kernels: no OpenMP with %s, building them single-threaded", cc)
+        else:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, target)  # atomic: a concurrent builder never loads half a file
 
@@ -71,7 +79,7 @@ def _build(cc: str, target: Path) -> None:
 def _target(cc: str) -> Path:
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update("\0".join([cc, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    key.update("\0".join([cc, *FLAGS, OPENMP, platform.machine(), _cpu_flags()]).encode())
     return kernel_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -110,7 +118,21 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = args
         fn.restype = None
     lib.ts_amx_init.restype = ctypes.c_int
+    lib.ts_set_threads.argtypes = [ctypes.c_int]
+    lib.ts_set_threads.restype = ctypes.c_int
+    lib.ts_threads.restype = ctypes.c_int
     return lib
+
+
+def sync_threads() -> int:
+    """Give the kernels' thread pool torch's intra-op thread count (`--num-threads`), so one knob sets
+    both; a no-op once they agree. Returns the kernels' count (1 without the kernels)."""
+    lib = load()
+    if lib is None:
+        return 1
+    want = torch.get_num_threads()
+    have = int(lib.ts_threads())
+    return have if have == want else int(lib.ts_set_threads(want))
 
 
 @cache

@@ -324,6 +324,8 @@ class TransformerLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
+        if self.embed.device.type == "cpu":
+            cpu_kernels.sync_threads()  # the kernels split their matmuls over torch's thread count
         if self.fused is not None and backend.name == "torch":
             return self.fused(input_ids, positions, kv_caches, meta, logits_indices)
         h = self.embed_tokens(input_ids)  # the residual stream is float32
