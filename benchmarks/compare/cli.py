@@ -37,7 +37,17 @@ from peers.launch import Limits
 from compare import plan as planning
 from compare import report, stats
 from compare.analyze import Slo
-from compare.run import OTHER_SERVERS, REFERENCE, SERVERS, Context, calibrate, measure, replay, soak
+from compare.run import (
+    OTHER_SERVERS,
+    REFERENCE,
+    SERVERS,
+    Context,
+    calibrate,
+    interleave,
+    measure,
+    replay,
+    soak,
+)
 from compare.store import Store
 
 QUICK_SERVERS = ("ts-slo", "llamacpp")
@@ -113,6 +123,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="instead of searching, run --servers at the rates of KEY's saved probes (all, or those "
         "named) with the same prompts; KEY itself only when it is the one server named (a rerun in a "
         "fresh process)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --replay: interleaved repeats instead; every server named (KEY too) up at once, each "
+        "probe run N times on each in alternating order (A B, B A, ...)",
     )
     p.add_argument("--render", type=Path, metavar="DIR", help="only write the report of DIR")
     p.add_argument("--doc", type=Path, help="also write the markdown here (e.g. docs/COMPARE.md)")
@@ -236,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(keys) - set(SERVERS + OTHER_SERVERS)
     if args.replay and (source := args.replay.partition(":")[0]) not in SERVERS + OTHER_SERVERS:
         sys.exit(f"--replay: unknown server {source!r} (one of {', '.join(SERVERS + OTHER_SERVERS)})")
+    if args.rounds and (not args.replay or args.rounds < 1 or args.rounds > 20):
+        sys.exit("--rounds N needs --replay and 1 <= N <= 20")
     keys.sort(key=lambda k: (k != REFERENCE, (SERVERS + OTHER_SERVERS).index(k)))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     store = Store(args.out or envs.ROOT / "bench-results" / f"compare-{stamp}")
@@ -278,6 +298,12 @@ def compare_all(
         slo = frozen_slo(store, workload, keys, args)
         if slo is None:
             store.log(f"{workload.name}: no server calibrated; nothing to measure")
+            continue
+        if args.replay and args.rounds:
+            source, _, names = args.replay.partition(":")
+            interleave(
+                ctx, list(keys), workload, slo, source, [n for n in names.split(",") if n], args.rounds
+            )
             continue
         if args.replay:
             source, _, names = args.replay.partition(":")

@@ -62,7 +62,10 @@ When the hours are not there: `--length-scale F` multiplies every prompt and out
 in the folder by its first run; x0.25 makes a 368-request probe 2-16 minutes here),
 `--search-only` runs the capacity searches and leaves every rate point out (listed as such), and
 `--replay KEY[:probe-01,...]` runs `--servers` at the rates of KEY's saved probes with the same
-prompts (saved as `replay-KEY-PROBE`, set beside KEY's in the report). Every bench run records the
+prompts (saved as `replay-KEY-PROBE`, set beside KEY's in the report); with `--rounds N` it runs
+interleaved repeats instead: every server named, KEY included, up at once, and each probe run N times
+on each in alternating order (A B, B A, ...), so the machine's drift falls on all of them alike; a
+verdict between two servers then needs the same answer in every round. Every bench run records the
 machine's busy / idle / steal shares of CPU time (`run.cpu`); on a VM, steal moves P99s as much as
 a server does, so read each row with its steal column.
 
@@ -203,7 +206,7 @@ def probe_rows(store: Store, workload: str) -> list[str]:
     probes = [
         (p["rate"], key, p)
         for key in keys
-        for prefix in ("probe-", "replay-")
+        for prefix in ("probe-", "replay-", "rounds-")
         for p in store.points(key, workload, prefix)
     ]
     if not probes:
@@ -241,6 +244,70 @@ def same_prompts_table(store: Store, workload: str) -> list[str]:
                     f"| {ci(doc['figures']['goodput_per_s'], digits=3)} |"
                 )
     return lines if found else ["(no replayed probe yet: `--replay ts-slo` runs another server on them)"]
+
+
+ROUND_METRICS = (("ttft_s", 1.0, "P99 TTFT s"), ("tpot_s", 1000.0, "P99 TPOT ms"),
+                 ("queue_delay_s", 1.0, "P99 queue delay s"))  # fmt: skip
+
+
+def rounds_of(store: Store, workload: str) -> dict[tuple[str, str], dict[int, dict[str, dict[str, Any]]]]:
+    """Interleaved rounds (`--replay SOURCE --rounds N`): {(source, probe): {round: {server: point}}}."""
+    found: dict[tuple[str, str], dict[int, dict[str, dict[str, Any]]]] = {}
+    for key in servers_in(store, workload):
+        for p in store.points(key, workload, "rounds-"):
+            found.setdefault((p["rounds_of"], p["replay_of"]), {}).setdefault(int(p["round"]), {})[key] = p
+    return found
+
+
+def round_verdict(verdicts: list[str]) -> str:
+    """One answer from every round's `compare`: the same side in every round, or not enough data."""
+    if verdicts and all(v == verdicts[0] for v in verdicts) and verdicts[0] != NOT_ENOUGH:
+        return f"**{verdicts[0]} in every round**"
+    return f"{NOT_ENOUGH} ({', '.join(verdicts) or 'no round'})"
+
+
+def rounds_table(store: Store, workload: str) -> list[str]:
+    """Each interleaved round's P99s and goodput with intervals, the machine's steal during the run
+    and the idle servers' draw just before it; then, for tailserve (slo) against every other server,
+    a verdict per metric that needs the same side (intervals apart) in every round."""
+    groups = rounds_of(store, workload)
+    if not groups:
+        return ["(no interleaved rounds yet: `--replay ts-slo:probe-02 --rounds 2` runs them)"]
+    lines = [
+        "| probe | round | req/s | server | " + " | ".join(m[2] for m in ROUND_METRICS)
+        + " | goodput req/s | steal | idle draw |",
+        "| --- | ---: | ---: | --- |" + " ---: |" * (len(ROUND_METRICS) + 3),
+    ]  # fmt: skip
+    verdicts: list[str] = []
+    for (source, probe), by_round in sorted(groups.items()):
+        for round_no, by_key in sorted(by_round.items()):
+            for key, p in sorted(
+                by_key.items(), key=lambda kv: (kv[1].get("run") or {}).get("bench_json", "")
+            ):
+                cells = [
+                    ci(metric(p, name), scale, 0 if scale > 1 else 2) for name, scale, _ in ROUND_METRICS
+                ]
+                cpu, idle = (p.get("run") or {}).get("cpu"), p.get("idle_draw")
+                steal = "-" if not cpu else f"{cpu['steal']:.1%}"
+                draw = "-" if not idle else f"{idle['busy']:.1%} busy"
+                lines.append(
+                    f"| {source} {probe} | {round_no} | {p['rate']:g} | {LABELS[key]} | {' | '.join(cells)} "
+                    f"| {ci(p['figures']['goodput_per_s'], digits=3)} | {steal} | {draw} |"
+                )
+        others = sorted({k for by_key in by_round.values() for k in by_key} - {REFERENCE})
+        for other in others if any(REFERENCE in b for b in by_round.values()) else []:
+            both = [b for _, b in sorted(by_round.items()) if REFERENCE in b and other in b]
+            for name, _, label in (*ROUND_METRICS, ("goodput_per_s", 1.0, "goodput")):
+
+                def iv(doc: dict[str, Any], name: str = name) -> Any:
+                    return doc["figures"]["goodput_per_s"] if name == "goodput_per_s" else metric(doc, name)
+
+                per_round = [compare(interval(iv(b[REFERENCE])), interval(iv(b[other]))) for b in both]
+                verdicts.append(
+                    f"- {source} {probe}, {label}: {LABELS[REFERENCE]} against {LABELS[other]}, "
+                    f"{len(both)} round(s): {round_verdict(per_round)}"
+                )
+    return [*lines, "", *verdicts]
 
 
 def reference_table(store: Store, workload: str) -> list[str]:
@@ -593,6 +660,9 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
             "",
             "### Same rate, same prompts (probes of tailserve (slo) replayed on another server)",
             *same_prompts_table(store, name),
+            "",
+            "### Interleaved rounds (servers up together, runs alternating A B, B A, ...)",
+            *rounds_table(store, name),
             "",
             "### Rate points",
             *point_rows(store, name),

@@ -6,6 +6,7 @@ point already saved is never run again, so an interrupted comparison resumes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import run_bench
+from machine import cpu_shares, cpu_times
 from peers import launch
 from peers.envs import HF_DIR, ROOT
 from peers.launch import Limits, ServerSpec
@@ -406,6 +408,67 @@ def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, na
             run_point(ctx, spec, server.url, workload, slo, calibration_of(cal_doc), replay_name(source, p["name"]),
                       p["rate"], sizes.probe_requests, f"{source}'s {p['name']} replayed (same rate, same prompts)",
                       replay_of=p["name"])  # fmt: skip
+
+
+def rounds_name(source: str, probe: str, round_no: int) -> str:
+    return f"rounds-{source}-{probe}-r{round_no}"
+
+
+def rounds_todo(
+    store: Store, keys: list[str], workload: str, source: str, names: list[str], rounds: int
+) -> list[tuple[int, dict[str, Any], str]]:
+    """The interleaved runs not saved yet, in the order they run: per probe of `source` (all, or
+    `names`), round 1 in the order of `keys`, round 2 reversed, and so on: (round, probe, server)."""
+    probes = [p for p in store.points(source, workload, "probe-") if not names or p["name"] in names]
+    return [
+        (r, p, k)
+        for p in probes
+        for r in range(1, rounds + 1)
+        for k in (keys if r % 2 else list(reversed(keys)))
+        if not store.has(k, workload, rounds_name(source, p["name"], r))
+    ]
+
+
+IDLE_SAMPLE_S = 3.0  # the machine's CPU shares with every server idle, before each interleaved run
+
+
+def interleave(
+    ctx: Context, keys: list[str], workload: Workload, slo: Slo, source: str, names: list[str], rounds: int
+) -> None:
+    """Interleaved repeats (`--replay SOURCE --rounds N`): every server in `keys` started and warmed up
+    at once, then each of `source`'s probes (all, or `names`) run `rounds` times on each server in
+    alternating order (A B, B A, ...), same rate and prompts. The machine's drift (CPU steal moves on a
+    scale of minutes) then falls on every server alike, and a verdict between two servers can ask for
+    the same answer in every round. Before each run the idle servers' draw on the machine is sampled
+    for IDLE_SAMPLE_S and saved with it. Saved as `rounds-SOURCE-PROBE-rN`; a saved one is not rerun."""
+    store = ctx.store
+    cals = {k: store.load(k, workload.name, "calibration") for k in keys}
+    todo = rounds_todo(store, [k for k in keys if cals[k] is not None], workload.name, source, names, rounds)
+    if not todo:
+        store.log(f"{workload.name}: interleaved rounds of {source}'s probes: nothing left")
+        return
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, tuple[ServerSpec, str]] = {}
+        for key in dict.fromkeys(k for _, _, k in todo):
+            spec, server = started(ctx, key, workload, slo, f"rounds-{source}")
+            store.log(f"{key}/{workload.name}: starting {spec.label} for interleaved rounds")
+            stack.enter_context(server)
+            if start_and_warm(ctx, key, workload, spec, server):
+                return
+            urls[key] = (spec, server.url)
+        for round_no, probe, key in todo:
+            spec, url = urls[key]
+            cal = cals[key]
+            assert cal is not None  # todo holds calibrated servers only
+            before = cpu_times()
+            time.sleep(IDLE_SAMPLE_S)
+            idle_draw = cpu_shares(before, cpu_times())
+            name = rounds_name(source, probe["name"], round_no)
+            doc = run_point(ctx, spec, url, workload, slo, calibration_of(cal), name, probe["rate"],
+                            ctx.sizes.probe_requests, f"{source}'s {probe['name']}, interleaved round {round_no}",
+                            replay_of=probe["name"])  # fmt: skip
+            doc.update(rounds_of=source, round=round_no, idle_draw=idle_draw, servers_up=sorted(urls))
+            store.save(doc, key, workload.name, name)
 
 
 class RssSampler:

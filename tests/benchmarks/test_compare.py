@@ -386,3 +386,65 @@ def test_a_replay_of_an_unknown_server_is_refused_before_anything_runs(tmp_path:
     with pytest.raises(SystemExit, match="unknown server 'nobody'"):
         main(["--out", str(tmp_path / "run"), "--servers", "ts-fcfs", "--replay", "nobody:probe-01"])
     assert not (tmp_path / "run").exists()
+
+
+def test_interleaved_rounds_alternate_the_order_and_resume(tmp_path: Path) -> None:
+    from compare.run import interleave, rounds_todo
+
+    store = Store(tmp_path)
+    for i, rate in ((1, 3.2), (2, 1.6)):
+        store.save(
+            {"name": f"probe-0{i}", "rate": rate, "passed": False}, "ts-slo", "longtail", f"probe-0{i}"
+        )
+    keys = ["ts-slo", "vllm"]
+    order = [(r, p["name"], k) for r, p, k in rounds_todo(store, keys, "longtail", "ts-slo", ["probe-02"], 3)]
+    assert order == [
+        (1, "probe-02", "ts-slo"), (1, "probe-02", "vllm"),
+        (2, "probe-02", "vllm"), (2, "probe-02", "ts-slo"),
+        (3, "probe-02", "ts-slo"), (3, "probe-02", "vllm"),
+    ]  # fmt: skip
+    store.save({"name": "x"}, "vllm", "longtail", "rounds-ts-slo-probe-02-r2")  # saved: not run again
+    left = rounds_todo(store, keys, "longtail", "ts-slo", ["probe-02"], 2)
+    assert [(r, k) for r, _, k in left] == [(1, "ts-slo"), (1, "vllm"), (2, "ts-slo")]
+    # Uncalibrated servers are left out, so with none calibrated nothing starts.
+    ctx = Context(store, plan.QUICK, 0, None, tmp_path)  # type: ignore[arg-type]
+    interleave(ctx, keys, plan.LONGTAIL, SLO, "ts-slo", ["probe-02"], 2)
+    assert "interleaved rounds of ts-slo's probes: nothing left" in (tmp_path / "progress.log").read_text()
+
+
+def test_an_interleaved_verdict_needs_the_same_side_in_every_round(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for key in ("ts-slo", "vllm"):
+        store.save(
+            {"intercept_s": 0, "per_token_s": 0, "idle_tpot_s": 0, "points": []},
+            key,
+            "longtail",
+            "calibration",
+        )
+
+    def save(
+        key: str, r: int, queue: tuple[float, float, float], goodput: tuple[float, float, float]
+    ) -> None:
+        doc = {**point(1.6, queue, goodput), "name": f"rounds-ts-slo-probe-02-r{r}", "replay_of": "probe-02",
+               "rounds_of": "ts-slo", "round": r, "idle_draw": {"busy": 0.01, "idle": 0.99, "steal": 0.0}}  # fmt: skip
+        store.save(doc, key, "longtail", f"rounds-ts-slo-probe-02-r{r}")
+
+    save("ts-slo", 1, (0.5, 0.4, 0.6), (1.5, 1.4, 1.6))
+    save("vllm", 1, (3.0, 2.0, 4.0), (1.0, 0.9, 1.1))
+    save("ts-slo", 2, (0.5, 0.4, 0.6), (1.5, 1.4, 1.6))
+    save("vllm", 2, (3.0, 2.0, 4.0), (1.5, 1.3, 1.7))  # goodput overlaps in round 2
+    table = report.rounds_table(store, "longtail")
+    assert sum(r.startswith("| ts-slo probe-02 |") for r in table) == 4
+    queue = next(r for r in table if "queue delay" in r and r.startswith("- "))
+    assert "2 round(s): **lower in every round**" in queue
+    goodput = next(r for r in table if "goodput:" in r)
+    assert "not enough data (higher, not enough data)" in goodput
+    assert "1.0% busy" in table[2]
+
+
+def test_rounds_need_a_replay(tmp_path: Path) -> None:
+    from compare.cli import main
+
+    with pytest.raises(SystemExit, match="--rounds N needs --replay"):
+        main(["--out", str(tmp_path / "run"), "--servers", "ts-slo,vllm", "--rounds", "2"])
+    assert not (tmp_path / "run").exists()
