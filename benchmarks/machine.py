@@ -4,10 +4,13 @@ tailserve commit. Standard library only.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import platform
 import subprocess
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,3 +59,55 @@ def cpu_shares(before: Sequence[int], after: Sequence[int]) -> dict[str, float] 
         return None
     busy = d[0] + d[1] + d[2] + d[5] + d[6]
     return {"busy": busy / total, "idle": (d[3] + d[4]) / total, "steal": d[7] / total}
+
+
+class CpuLog:
+    """Appends the machine's CPU counters once a second to `path` (`<unix time> cpu <counters>`, the
+    format of `echo "$(date +%s.%N) $(head -1 /proc/stat)"`) on a daemon thread, while in use. A
+    run's P99 is set by its slowest 1% of requests, and on a VM a burst of steal of a few seconds is
+    enough to make them: the log lets a report ask what the machine did while they waited."""
+
+    def __init__(self, path: Path, every_s: float = 1.0) -> None:
+        self.path, self.every_s = path, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with self.path.open("a") as f:
+            while not self._stop.is_set():
+                if counters := cpu_times():
+                    f.write(f"{time.time():.3f} cpu {' '.join(map(str, counters))}\n")
+                    f.flush()
+                self._stop.wait(self.every_s)
+
+
+def read_cpu_log(path: Path) -> list[tuple[float, tuple[int, ...]]]:
+    """(unix time, the eight counters) of every whole line of a CpuLog file, in time order."""
+    samples = []
+    with contextlib.suppress(OSError), path.open() as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 10 and parts[1] == "cpu":
+                with contextlib.suppress(ValueError):
+                    samples.append((float(parts[0]), tuple(int(x) for x in parts[2:10])))
+    samples.sort()
+    return samples
+
+
+def steal_between(samples: Sequence[tuple[float, tuple[int, ...]]], t0: float, t1: float) -> float | None:
+    """The steal share of CPU time from the last sample at or before t0 to the first at or after t1
+    (None when the log does not cover the span)."""
+    times = [t for t, _ in samples]
+    i, j = bisect.bisect_right(times, t0) - 1, bisect.bisect_left(times, t1)
+    if i < 0 or j >= len(samples) or j <= i:
+        return None
+    shares = cpu_shares(samples[i][1], samples[j][1])
+    return None if shares is None else shares["steal"]

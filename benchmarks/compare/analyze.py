@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import steal_between
+
 from compare.stats import Interval, quantile_interval, wilson
 
 # The bench's per-request JSONL fields and result JSON keys this module reads: one place to adjust
@@ -231,3 +233,28 @@ def windows(rows: Sequence[dict[str, Any]], window_s: float) -> list[dict[str, A
             }
         )
     return out
+
+
+def tail_steal(
+    rows: Sequence[dict[str, Any]],
+    run_start: float,
+    p99_ttft_s: float,
+    samples: Sequence[tuple[float, tuple[int, ...]]],
+) -> dict[str, Any] | None:
+    """What the machine did to the requests that set the P99 TTFT: the CPU steal share while each
+    of them waited for its first token (from a 1-second CpuLog, `run_start` the bench's start in unix
+    time, good to about a second), averaged over them, beside the steal over the whole measured run.
+    None when the log does not cover the run."""
+    done = [r for r in measured_rows(rows) if r.get("ok") and r.get("ttft_s") is not None]
+    if not done:
+        return None
+    whole = steal_between(
+        samples,
+        run_start + min(r["sent_s"] for r in done),
+        run_start + max(r["sent_s"] + (r.get("done_s") or r["ttft_s"]) for r in done),
+    )
+    tail = [r for r in done if r["ttft_s"] >= p99_ttft_s]
+    seen = [s for r in tail if (s := steal_between(samples, run_start + r["sent_s"], run_start + r["sent_s"] + r["ttft_s"])) is not None]  # fmt: skip
+    if whole is None or not seen:
+        return None
+    return {"run": whole, "tail": sum(seen) / len(seen), "tail_requests": len(seen)}

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from machine import git_commit, machine_line
+from machine import CpuLog, git_commit, machine_line
 from peers import envs
 from peers.launch import Limits
 
@@ -277,10 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"results in {store.root}; servers {', '.join(soaked or keys)}; lengths x{scale:g}; sizes {sizes}"
     )
     try:
-        if soaked:
-            run_soaks(ctx, soaked, known["longtail"], args)
-        else:
-            compare_all(ctx, keys, workloads, args)
+        with CpuLog(store.root / report.CPU_LOG):  # what the machine did, second by second
+            if soaked:
+                run_soaks(ctx, soaked, known["longtail"], args)
+            else:
+                compare_all(ctx, keys, workloads, args)
     except KeyboardInterrupt:
         store.log("interrupted: servers stopped; rerun the same command to resume")
     report.write(store, args.doc)

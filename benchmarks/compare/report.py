@@ -6,12 +6,16 @@ intervals, and every server's command line. Writes DIR/report/compare.md, compar
 
 from __future__ import annotations
 
+import datetime
 import html
+import json
 from pathlib import Path
 from typing import Any
 
+from machine import read_cpu_log
+
 from compare import plots
-from compare.analyze import Calibration, interval, metric_values, read_rows
+from compare.analyze import Calibration, interval, metric_values, read_rows, tail_steal
 from compare.plan import scaled_workloads
 from compare.run import OTHER_SERVERS, REFERENCE, SERVERS
 from compare.stats import MET, MISSED, NOT_ENOUGH, Interval, at_most, compare
@@ -67,7 +71,11 @@ interleaved repeats instead: every server named, KEY included, up at once, and e
 on each in alternating order (A B, B A, ...), so the machine's drift falls on all of them alike; a
 verdict between two servers then needs the same answer in every round. Every bench run records the
 machine's busy / idle / steal shares of CPU time (`run.cpu`); on a VM, steal moves P99s as much as
-a server does, so read each row with its steal column.
+a server does, so read each row with its steal column. The comparison also logs the machine's CPU
+counters once a second (`cpu-1s.log` in the folder). For each run, the report gives the steal share
+while the requests that set the P99 TTFT (those at or above it) waited for their first token
+("steal, P99 TTFT tail"): far above the run's own steal, it says that a burst on the machine, not
+the server, made the tail.
 
 The SLO of each workload, set from phase 1 and frozen: P99 TTFT <= 1.5 x the fastest server's idle
 TTFT of the workload's longest prompt (1650 tokens long-tail, 1424 multi-turn), the tightest target
@@ -168,25 +176,47 @@ def capacity_table(store: Store, workload: str) -> list[str]:
 POINT_HEADER = [
     "| point | req/s | server | n | P99 TTFT s | TTFT P99/mean | P99 TPOT ms | TPOT P99/mean | P99 slowdown "
     "| slowdown P99/mean | P99 queue delay s | goodput req/s | met / fast 429 / slow miss / error | cached prompt "
-    "| CPU steal |",
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    "| CPU steal | steal, P99 TTFT tail |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
 ]
+CPU_LOG = "cpu-1s.log"  # compare_engines.py's 1-second CpuLog of the machine, in the results folder
+_cpu_logs: dict[Path, list[tuple[float, tuple[int, ...]]]] = {}
 
 
-def point_row(name: str, key: str, p: dict[str, Any]) -> str:
+def steal_of_tail(store: Store, p: dict[str, Any]) -> dict[str, Any] | None:
+    """`tail_steal` of a saved point: its rows, its bench's start time and the folder's CPU log."""
+    path = store.root / CPU_LOG
+    if path not in _cpu_logs:
+        _cpu_logs[path] = read_cpu_log(path)
+    samples, run = _cpu_logs[path], p.get("run") or {}
+    p99 = (metric(p, "ttft_s") or {}).get("value")
+    if not samples or not run.get("bench_json") or p99 is None:
+        return None
+    bench_json = store.root / run["bench_json"]
+    try:
+        started = json.loads(bench_json.read_text())["started_at"]
+        rows = read_rows(bench_json.with_suffix(".jsonl"))
+    except (OSError, ValueError, KeyError):
+        return None
+    return tail_steal(rows, datetime.datetime.fromisoformat(started).timestamp(), p99, samples)
+
+
+def point_row(name: str, key: str, p: dict[str, Any], store: Store | None = None) -> str:
     f = p["figures"]
     fates = f["fates"]
     share = f.get("cached_token_fraction")
     cached = "-" if share is None else f"{share:.0%}"  # prompt tokens the server said it had cached
     cpu = (p.get("run") or {}).get("cpu")  # recorded from this harness's version on
     steal = "-" if not cpu else f"{cpu['steal']:.1%}"
+    seen = None if store is None else steal_of_tail(store, p)
+    tail = "-" if seen is None else f"{seen['tail']:.1%} ({seen['tail_requests']} req.)"
     return (
         f"| {name} | {p['rate']:g} | {LABELS[key]} | {f['measured']} | {ci(metric(p, 'ttft_s'))} "
         f"| {ci(metric(p, 'ttft_s', 'p99_over_mean'))} | {ci(metric(p, 'tpot_s'), 1000, 0)} "
         f"| {ci(metric(p, 'tpot_s', 'p99_over_mean'))} | {ci(metric(p, 'slowdown'))} "
         f"| {ci(metric(p, 'slowdown', 'p99_over_mean'))} | {ci(metric(p, 'queue_delay_s'))} "
         f"| {ci(f['goodput_per_s'], digits=3)} | {fates['met']} / {fates['fast_429']} / {fates['slow_miss']} / {fates['error']} | {cached} "
-        f"| {steal} |"
+        f"| {steal} | {tail} |"
     )
 
 
@@ -195,7 +225,7 @@ def point_rows(store: Store, workload: str) -> list[str]:
     for name in POINT_ORDER:
         for key in servers_in(store, workload):
             if (p := store.load(key, workload, name)) is not None:
-                lines.append(point_row(name, key, p))
+                lines.append(point_row(name, key, p, store))
     return lines
 
 
@@ -212,7 +242,7 @@ def probe_rows(store: Store, workload: str) -> list[str]:
     if not probes:
         return ["(no probe yet)"]
     probes.sort(key=lambda x: (-x[0], keys.index(x[1])))
-    return [*POINT_HEADER, *(point_row(p.get("name", "probe"), key, p) for _, key, p in probes)]
+    return [*POINT_HEADER, *(point_row(p.get("name", "probe"), key, p, store) for _, key, p in probes)]
 
 
 def same_prompts_table(store: Store, workload: str) -> list[str]:
@@ -289,6 +319,8 @@ def rounds_table(store: Store, workload: str) -> list[str]:
                 ]
                 cpu, idle = (p.get("run") or {}).get("cpu"), p.get("idle_draw")
                 steal = "-" if not cpu else f"{cpu['steal']:.1%}"
+                if seen := steal_of_tail(store, p):
+                    steal += f" (tail {seen['tail']:.1%})"
                 draw = "-" if not idle else f"{idle['busy']:.1%} busy"
                 lines.append(
                     f"| {source} {probe} | {round_no} | {p['rate']:g} | {LABELS[key]} | {' | '.join(cells)} "

@@ -448,3 +448,34 @@ def test_rounds_need_a_replay(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--rounds N needs --replay"):
         main(["--out", str(tmp_path / "run"), "--servers", "ts-slo,vllm", "--rounds", "2"])
     assert not (tmp_path / "run").exists()
+
+
+def test_the_cpu_log_and_the_steal_the_p99_tail_saw(tmp_path: Path) -> None:
+    """The slowest requests waited through a burst of steal: the tail's share is the burst's, the run's
+    is diluted over all of it; where the log does not cover the run there is no figure."""
+    import time
+
+    from compare.analyze import tail_steal
+    from machine import CpuLog, read_cpu_log, steal_between
+
+    log = tmp_path / "cpu-1s.log"
+    with CpuLog(log, every_s=0.05):
+        time.sleep(0.3)
+    real = read_cpu_log(log)
+    assert len(real) >= 2 and all(len(c) == 8 for _, c in real)
+    # 100 s, 100 ticks a second: no steal but 50% during seconds 40-50.
+    samples, total = [], [0] * 8
+    for t in range(101):
+        samples.append((1000.0 + t, tuple(total)))
+        burst = 40 <= t < 50
+        total[0] += 50 if burst else 100
+        total[7] += 50 if burst else 0
+    assert steal_between(samples, 1040.0, 1050.0) == pytest.approx(0.5)
+    assert steal_between(samples, 1000.0, 1100.0) == pytest.approx(500 / 10000)
+    assert steal_between(samples, 990.0, 1010.0) is None  # before the log starts
+    rows = [row(i, ttft=0.2, sent_s=float(i), done_s=1.0) for i in range(95)]
+    rows.append(row(95, ttft=3.0, sent_s=41.0, done_s=4.0))  # waited inside the burst
+    got = tail_steal(rows, 1000.0, 3.0, samples)
+    assert got is not None and got["tail_requests"] == 1
+    assert got["tail"] == pytest.approx(0.5) and got["run"] < 0.1
+    assert tail_steal(rows, 5000.0, 3.0, samples) is None
