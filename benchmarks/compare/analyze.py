@@ -243,8 +243,9 @@ def tail_steal(
 ) -> dict[str, Any] | None:
     """What the machine did to the requests that set the P99 TTFT: the CPU steal share while each
     of them waited for its first token (from a 1-second CpuLog, `run_start` the bench's start in unix
-    time, good to about a second), averaged over them, beside the steal over the whole measured run.
-    None when the log does not cover the run."""
+    time, good to about a second), averaged over those the log covers (`tail_requests` of `tail_of`),
+    beside the steal over the whole measured run (None unless the log covers all of it). None when
+    the log covers none of the tail."""
     done = [r for r in measured_rows(rows) if r.get("ok") and r.get("ttft_s") is not None]
     if not done:
         return None
@@ -255,6 +256,6 @@ def tail_steal(
     )
     tail = [r for r in done if r["ttft_s"] >= p99_ttft_s]
     seen = [s for r in tail if (s := steal_between(samples, run_start + r["sent_s"], run_start + r["sent_s"] + r["ttft_s"])) is not None]  # fmt: skip
-    if whole is None or not seen:
+    if not seen:
         return None
-    return {"run": whole, "tail": sum(seen) / len(seen), "tail_requests": len(seen)}
+    return {"run": whole, "tail": sum(seen) / len(seen), "tail_requests": len(seen), "tail_of": len(tail)}

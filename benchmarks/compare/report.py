@@ -209,7 +209,7 @@ def point_row(name: str, key: str, p: dict[str, Any], store: Store | None = None
     cpu = (p.get("run") or {}).get("cpu")  # recorded from this harness's version on
     steal = "-" if not cpu else f"{cpu['steal']:.1%}"
     seen = None if store is None else steal_of_tail(store, p)
-    tail = "-" if seen is None else f"{seen['tail']:.1%} ({seen['tail_requests']} req.)"
+    tail = "-" if seen is None else f"{seen['tail']:.1%} ({seen['tail_requests']} of {seen['tail_of']} req.)"
     return (
         f"| {name} | {p['rate']:g} | {LABELS[key]} | {f['measured']} | {ci(metric(p, 'ttft_s'))} "
         f"| {ci(metric(p, 'ttft_s', 'p99_over_mean'))} | {ci(metric(p, 'tpot_s'), 1000, 0)} "

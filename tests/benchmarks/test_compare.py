@@ -478,4 +478,6 @@ def test_the_cpu_log_and_the_steal_the_p99_tail_saw(tmp_path: Path) -> None:
     got = tail_steal(rows, 1000.0, 3.0, samples)
     assert got is not None and got["tail_requests"] == 1
     assert got["tail"] == pytest.approx(0.5) and got["run"] < 0.1
-    assert tail_steal(rows, 5000.0, 3.0, samples) is None
+    assert tail_steal(rows, 5000.0, 3.0, samples) is None  # the log covers none of it
+    partly = tail_steal(rows, 1000.0, 3.0, samples[30:])  # the log starts mid-run: no run figure
+    assert partly is not None and partly["run"] is None and partly["tail"] == pytest.approx(0.5)
