@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SloPolicy
@@ -176,3 +178,31 @@ def test_a_one_chunk_step_alternates_between_late_and_savable_work() -> None:
     assert run.first_token_step.get("late", math.inf) <= 7  # 4 chunks, one every other step
     savable = [at for name, at in run.first_token_step.items() if name != "late"]
     assert len(savable) >= 3 and min(savable) < run.first_token_step["late"]  # moving while it waited
+
+
+def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
+    """With every sequence slot taken by long decodes, a newcomer with nothing ahead of it in prefill
+    still waits for one to end: the estimate says so (and admission can refuse it fast) instead of
+    0 s. A slot free again: 0. Finished requests that ended early shorten the expected wait."""
+    config = SchedulerConfig(max_num_batched_tokens=BUDGET, policy="slo", slo_ttft_s=2.0, max_num_seqs=2)
+    timer = StepTimer(budget_tokens=BUDGET)
+    timer.record(_Plan(2, 0), 0.05)  # a 50 ms decode step
+    scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer)
+    now = time.monotonic()
+    for i, max_tokens in enumerate((100, 60)):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        scheduler.add(Request(f"long{i}", [5, 6, 7, 8], params, RequestTimings(arrival=now), seq_no=i))
+    plan = scheduler.step_plan()  # both prefill in one step, then decode
+    scheduler.postprocess(plan)
+    for req, _ in plan.scheduled:
+        req.token_ids.append(1)  # each has its first output token
+    step = 0.05  # the newcomer's own prefill: one step beside the decodes
+    wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
+    assert wait == pytest.approx(59 * 0.05 + step)  # the 60-token one ends first: 59 steps left
+    assert wait > config.slo_ttft_s  # admission would answer 429 rather than queue it for 3 s
+    for _ in range(3):  # requests have been ending after ~10 tokens: expect these to end sooner too
+        scheduler._output_tokens.record(10)
+    wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
+    assert wait == pytest.approx(9 * 0.05 + step)
+    scheduler.finish(scheduler.running[0], "abort")  # a slot is free: no wait at all
+    assert scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now) == 0.0

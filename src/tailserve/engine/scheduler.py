@@ -8,6 +8,7 @@ the KV cache's only owner: it allocates, commits after the step (`postprocess`) 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SchedulePolicy, make_policy
 from tailserve.engine.request import Request, RequestStatus, ttft_target_s
-from tailserve.engine.stats import EngineStats, QueueSnapshot, StepTimer
+from tailserve.engine.stats import EngineStats, Ewma, QueueSnapshot, StepTimer
 from tailserve.errors import ContextLengthExceededError
 
 
@@ -50,6 +51,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.timer = timer or StepTimer(budget_tokens=config.max_num_batched_tokens)
+        self._output_tokens = Ewma()  # output lengths of finished requests: when running ones end
         self.policy: SchedulePolicy = make_policy(config, self.timer, kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -196,6 +198,8 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if reason in ("stop", "length") and req.num_output_tokens > 0:
+            self._output_tokens.record(req.num_output_tokens)
 
     # ----- limits, pool state and wait estimates -------------------------------------------------
     def stats(self) -> EngineStats:
@@ -231,11 +235,35 @@ class Scheduler:
         for r in prefilling:
             ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
             pending.append((r.num_uncomputed_tokens, r.timings.arrival + ttft_s, ttft_s))
+        running_prefills = sum(1 for r in self.running if not r.is_decoding)
         return QueueSnapshot(
             pending=pending,
             num_running=len(self.running),
             prefill_cap=self.policy.prefill_cap(decoding, budget, now),
+            running_prefills=running_prefills,
+            slots_free_steps=tuple(sorted(self._steps_left(r) for r in self.running)),
+            max_num_seqs=self.config.max_num_seqs,
         )
+
+    def _steps_left(self, req: Request) -> int:
+        """Decode steps until a running request is expected to end: its max_tokens left, or fewer where
+        finished requests have been ending sooner (the mean output length so far)."""
+        left = max(req.params.max_tokens - req.num_output_tokens, 1)
+        typical = self._output_tokens.mean
+        if typical is None:
+            return left
+        return min(left, max(math.ceil(typical) - req.num_output_tokens, 1))
+
+    def _slot_wait_s(self, snapshot: QueueSnapshot, queued_ahead: int) -> float:
+        """Seconds until a sequence slot is free for a newcomer behind `queued_ahead` queued requests:
+        0 while the batch has room; else until enough running requests end, at the decode step time."""
+        steps = snapshot.slots_free_steps
+        need = snapshot.num_running + queued_ahead + 1 - snapshot.max_num_seqs
+        if snapshot.max_num_seqs <= 0 or need <= 0 or not steps:
+            return 0.0
+        rounds = math.ceil(need / len(steps))  # more slots wanted than run now: the batch turns over
+        step_s, _ = self.timer.coefficients()
+        return rounds * steps[min(need, len(steps)) - 1] * step_s
 
     def estimate_wait_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
@@ -244,10 +272,17 @@ class Scheduler:
         plus its own. Zero when nothing is ahead: an idle server never refuses. `ttft_s` is the
         newcomer's own TTFT target (default --slo-ttft); work past saving is not counted ahead."""
         target = self.config.slo_ttft_s if ttft_s is None else ttft_s
-        ahead = self.policy.tokens_ahead(snapshot.pending, num_prompt_tokens, target, now)
-        if ahead == 0:
-            return 0.0
-        per_step = self.policy.newcomer_tokens_per_step(snapshot.pending, snapshot.prefill_cap, now)
-        return self.timer.estimate_s(
-            ahead + num_prompt_tokens, snapshot.num_running, per_step_tokens=per_step
-        )
+        pending, policy = snapshot.pending, self.policy
+        ahead = policy.tokens_ahead(pending, num_prompt_tokens, target, now)
+        per_step = policy.newcomer_tokens_per_step(pending, snapshot.prefill_cap, now)
+        prefill_s = 0.0
+        if ahead:
+            prefill_s = self.timer.estimate_s(ahead + num_prompt_tokens, snapshot.num_running, per_step)
+        if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
+            return prefill_s  # room in the batch for everyone queued and the newcomer
+        queued = sum(1 for p in pending if policy.tokens_ahead([p], num_prompt_tokens, target, now))
+        slot_s = self._slot_wait_s(snapshot, max(queued - snapshot.running_prefills, 0))
+        if slot_s == 0.0:
+            return prefill_s
+        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step)
+        return max(prefill_s, slot_s + own_s)

@@ -218,6 +218,23 @@ class QueueSnapshot:
     pending: list[tuple[int, float, float]]
     num_running: int
     prefill_cap: int
+    # Sequence slots: a newcomer also waits for one once the batch is full (max_num_seqs). Of
+    # `pending`, `running_prefills` already hold a slot; `slots_free_steps` is, per running request,
+    # the decode steps until it is expected to end, ascending; max_num_seqs 0: no slot limit known.
+    running_prefills: int = 0
+    slots_free_steps: tuple[int, ...] = ()
+    max_num_seqs: int = 0
+
+
+class Ewma:
+    """An exponentially weighted mean of recent values (None until the first)."""
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.mean: float | None = None
+
+    def record(self, value: float) -> None:
+        self.mean = value if self.mean is None else self.mean + self.alpha * (value - self.mean)
 
 
 class StepTimer:
