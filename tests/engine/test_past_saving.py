@@ -204,5 +204,9 @@ def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
         scheduler._output_tokens.record(10)
     wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
     assert wait == pytest.approx(9 * 0.05 + step)
+    for _ in range(30):  # steps now carry prompt chunks and take 150 ms: the running streams slow too
+        timer.record(_Plan(40, 38), 0.15)
+    wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
+    assert wait > 9 * 0.14  # the slot frees at the steps' pace now, not at a decode-only step's
     scheduler.finish(scheduler.running[0], "abort")  # a slot is free: no wait at all
     assert scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now) == 0.0

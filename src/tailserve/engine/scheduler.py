@@ -256,14 +256,13 @@ class Scheduler:
 
     def _slot_wait_s(self, snapshot: QueueSnapshot, queued_ahead: int) -> float:
         """Seconds until a sequence slot is free for a newcomer behind `queued_ahead` queued requests:
-        0 while the batch has room; else until enough running requests end, at the decode step time."""
+        0 while the batch has room; else until enough running requests end, at the recent step time."""
         steps = snapshot.slots_free_steps
         need = snapshot.num_running + queued_ahead + 1 - snapshot.max_num_seqs
         if snapshot.max_num_seqs <= 0 or need <= 0 or not steps:
             return 0.0
         rounds = math.ceil(need / len(steps))  # more slots wanted than run now: the batch turns over
-        step_s, _ = self.timer.coefficients()
-        return rounds * steps[min(need, len(steps)) - 1] * step_s
+        return rounds * steps[min(need, len(steps)) - 1] * self.timer.recent_step_s()
 
     def estimate_wait_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None

@@ -249,6 +249,7 @@ class StepTimer:
         self.last_step_s = 0.0
         self._decode_step_s: float | None = None
         self._per_token_s: float | None = None
+        self._any_step_s: float | None = None  # every step, whatever its mix
 
     def record(self, plan: Any, seconds: float) -> None:
         tokens = int(plan.num_tokens)
@@ -256,6 +257,7 @@ class StepTimer:
             self._decode_step_s = self._ewma(self._decode_step_s, seconds)
         if tokens >= self.PREFILL_HEAVY_TOKENS:
             self._per_token_s = self._ewma(self._per_token_s, seconds / tokens)
+        self._any_step_s = self._ewma(self._any_step_s, seconds)
         self.steps += 1
         self.last_step_s = seconds
 
@@ -265,6 +267,11 @@ class StepTimer:
     def coefficients(self) -> tuple[float, float]:
         """(seconds of a decode-only step, seconds per prompt token); zeros until measured."""
         return self._decode_step_s or 0.0, self._per_token_s or 0.0
+
+    def recent_step_s(self) -> float:
+        """Seconds of a step as steps run now, prompt chunks and all: what a running stream waits per
+        token. Under load most steps carry prefill, and a decode-only step is the exception."""
+        return max(self._any_step_s or 0.0, self._decode_step_s or 0.0)
 
     def estimate_s(self, tokens: int, running: int, per_step_tokens: int | None = None) -> float:
         """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes."""
