@@ -50,6 +50,12 @@ def decode_step_ms(engine: LLMEngine, featured: bool, rows: int, warmup: int, st
     for i in range(rows):
         prompt = tok.apply_chat_template([{"role": "user", "content": f"List {i + 20} numbers as JSON."}])
         engine.add_request(f"{'f' if featured else 'p'}{i}", prompt, params(featured, i, warmup + steps + 64))
+    return timed_decode_steps(engine, rows, warmup, steps)
+
+
+def timed_decode_steps(engine: LLMEngine, rows: int, warmup: int, steps: int) -> list[float]:
+    """With `rows` requests added: prefill them all, then the milliseconds of each of `steps` steps
+    in which all of them decode (after `warmup` untimed ones); aborts them after."""
     engine.last_plan = None
     while engine.last_plan is None or engine.last_plan.num_decodes < rows:  # prefill everyone first
         engine.step()

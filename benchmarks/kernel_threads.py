@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from feature_step_cost import timed_decode_steps
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine.llm_engine import LLMEngine
@@ -29,17 +30,7 @@ def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int) -> li
         engine.add_request(
             f"d{rows}-{i}", prompt, SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True)
         )
-    engine.last_plan = None
-    while engine.last_plan is None or engine.last_plan.num_decodes < rows:
-        engine.step()
-    times = []
-    for k in range(warmup + steps):
-        start = time.perf_counter()
-        engine.step()
-        if k >= warmup:
-            times.append(1000 * (time.perf_counter() - start))
-    engine.abort_all()
-    return times
+    return timed_decode_steps(engine, rows, warmup, steps)
 
 
 def prefill_step_ms(engine: LLMEngine, tokens: int, repeats: int) -> list[float]:
