@@ -251,9 +251,11 @@ def calibration_of(doc: dict[str, Any]) -> Calibration:
 def run_point(
     ctx: Context, spec: ServerSpec, url: str, workload: Workload, slo: Slo, cal: Calibration,
     name: str, rate: float, requests: int, why: str, replay_of: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One rate point or probe: run, analyse, save (unless saved already). `replay_of`: the name of
-    the point whose prompts it sends (its seed), when that is not its own name."""
+    the point whose prompts it sends (its seed), when that is not its own name; `extra`: fields saved
+    with it."""
     store = ctx.store
     if (saved := store.load(spec.key, workload.name, name)) is not None:
         return saved
@@ -275,6 +277,7 @@ def run_point(
            "figures": figures, "run": record, "client": (result or {}).get("client")}  # fmt: skip
     if replay_of:
         doc["replay_of"] = replay_of
+    doc.update(extra or {})
     store.save(doc, spec.key, workload.name, name)
     store.log(f"{spec.key}/{workload.name}: {name} {'pass' if ok else 'FAIL: ' + reason}")
     return doc
@@ -464,11 +467,10 @@ def interleave(
             time.sleep(IDLE_SAMPLE_S)
             idle_draw = cpu_shares(before, cpu_times())
             name = rounds_name(source, probe["name"], round_no)
-            doc = run_point(ctx, spec, url, workload, slo, calibration_of(cal), name, probe["rate"],
-                            ctx.sizes.probe_requests, f"{source}'s {probe['name']}, interleaved round {round_no}",
-                            replay_of=probe["name"])  # fmt: skip
-            doc.update(rounds_of=source, round=round_no, idle_draw=idle_draw, servers_up=sorted(urls))
-            store.save(doc, key, workload.name, name)
+            run_point(ctx, spec, url, workload, slo, calibration_of(cal), name, probe["rate"],
+                      ctx.sizes.probe_requests, f"{source}'s {probe['name']}, interleaved round {round_no}",
+                      replay_of=probe["name"], extra={"rounds_of": source, "round": round_no,
+                      "idle_draw": idle_draw, "servers_up": sorted(urls)})  # fmt: skip
 
 
 class RssSampler:
