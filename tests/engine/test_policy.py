@@ -97,9 +97,10 @@ def test_slo_long_prompt_does_not_starve_under_stream_of_short_ones() -> None:
     assert engine.has_unfinished()  # the short stream was still going when it got through
 
 
-def _decoding(k: int, elapsed_s: float, now: float) -> Request:
-    """A request that has produced k tokens, the first one elapsed_s ago."""
-    req = Request("r", [1, 2, 3], GREEDY, RequestTimings(arrival=now - elapsed_s - 0.1), seq_no=0)
+def _decoding(k: int, elapsed_s: float, now: float, max_tokens: int = 8) -> Request:
+    """A request that has produced k of its max_tokens, the first one elapsed_s ago."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    req = Request("r", [1, 2, 3], params, RequestTimings(arrival=now - elapsed_s - 0.1), seq_no=0)
     req.token_ids += [4] * k
     req.timings.first_token = now - elapsed_s
     return req
@@ -110,7 +111,7 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     config = SchedulerConfig(policy="slo", slo_ttft_s=2.0, slo_tpot_s=0.05)
     slo = SloPolicy(config, timer, block_size=16)
     now = 1000.0
-    fresh = [_decoding(k=1, elapsed_s=0.0, now=now) for _ in range(4)]
+    fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=2) for _ in range(4)]  # one gap to go
     assert slo.prefill_cap(fresh, budget=252, now=now) == 252  # no timing yet: no cap
 
     @dataclass
@@ -123,9 +124,27 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     timer.record(Plan(200, 190), 0.020)  # prompt-heavy steps: 0.1 ms per token
     step_s, per_token = timer.coefficients()
     assert abs(step_s - 0.004) < 1e-9 and abs(per_token - 0.0001) < 1e-9
-    # 50 ms TPOT target: (0.05 - 0.004) / 0.0001 = 460 prompt tokens per step beside the decodes.
+    # Streams with a single gap left: the step may take the 50 ms TPOT target,
+    # (0.05 - 0.004) / 0.0001 = 460 prompt tokens per step beside the decodes.
     assert slo.prefill_cap(fresh, budget=246, now=now) == 246
     assert slo.prefill_cap(fresh, budget=1000, now=now) in (459, 460)  # float rounding
+    # TPOT is a mean over the whole output: a fresh stream with 100 tokens to go (this step's gap, then
+    # 99 more at the recent step time, 7.2 ms, an EWMA of the three steps) has 100 x 0.05 - 99 x
+    # 0.0072 = 4.3 s of room; one step may take 4 x the target of it.
+    long_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=101)]
+    assert abs(timer.recent_step_s() - 0.0072) < 1e-9
+    assert abs(slo.step_budget_s(long_fresh, now) - 0.2) < 1e-12
+    # With 3 tokens to go: 3 x 0.05 - 2 x 0.0072 = 0.1356 s.
+    short_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=4)]
+    assert abs(slo.step_budget_s(short_fresh, now) - 0.1356) < 1e-12
+    # Where steps run above the target, the remaining gaps are priced at the target: the room is
+    # what the stream banked so far (the target here), as if nothing were left.
+    slow = StepTimer(budget_tokens=256)
+    slow.record(Plan(10, 0), 0.080)
+    assert SloPolicy(config, slow, block_size=16).step_budget_s(long_fresh, now) == 0.05
+    # The scheduler says how many tokens a stream is expected to produce still (finished lengths).
+    expected_short = SloPolicy(config, timer, block_size=16, tokens_left=lambda r: 1)
+    assert expected_short.step_budget_s(long_fresh, now) == 0.05
     # Streams that ran ahead of the target lend the time: 20 tokens in 0.2 s banked 0.8 s, but one
     # step may take at most 4 x 50 ms: (0.2 - 0.004) / 0.0001 = 1960 prompt tokens.
     ahead = [_decoding(k=20, elapsed_s=0.2, now=now)]

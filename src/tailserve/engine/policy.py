@@ -10,8 +10,9 @@ which running request gives its blocks back when the pool runs dry.
   longer make its deadline (its predicted prefill ends past it) is *past saving*: it yields to the
   savable ones but keeps `past_saving_share` of every step's prefill budget, so its lateness is
   bounded. While decodes run, prefill per step is capped so the predicted step time keeps every
-  stream's TPOT (an average per token) under its target: a stream that has run ahead of its target
-  lends that time to prefill, up to 4x the target for one step. The cap never drops below
+  stream's TPOT (an average over its whole output) under its target: a stream whose tokens so far
+  and whose expected remaining tokens, at the step time seen now, leave room under its target
+  lends that room to prefill, up to 4x the target for one step. The cap never drops below
   `prefill_floor` of the step budget, so prefill always progresses. The preemption victim is a
   request still in prefill (no token streamed yet) with the least work done, else the decode with
   the fewest tokens to recompute.
@@ -20,7 +21,7 @@ which running request gives its blocks back when the pool runs dry.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from tailserve.config import SchedulerConfig
@@ -86,10 +87,18 @@ class SloPolicy:
     name = "slo"
     MAX_ITL_FACTOR = 4.0
 
-    def __init__(self, config: SchedulerConfig, timer: StepTimer, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        timer: StepTimer,
+        block_size: int,
+        tokens_left: Callable[[Request], int] | None = None,
+    ) -> None:
         self.config = config
         self.timer = timer
         self.min_chunk = block_size
+        # Output tokens a running request is expected to produce still (default: up to max_tokens).
+        self.tokens_left = tokens_left or (lambda r: max(r.params.max_tokens - r.num_output_tokens, 1))
 
     def _prefill_s(self, tokens: int) -> float:
         _, per_token = self.timer.coefficients()
@@ -156,18 +165,27 @@ class SloPolicy:
         return min(budget, max(floor, int(room)))
 
     def step_budget_s(self, decodes: Sequence[Request], now: float) -> float:
-        """How long this step may take without pushing any stream's TPOT (its average) over its target.
+        """How long this step may take without pushing any stream's TPOT over its target.
 
-        A stream that got its tokens faster than its target has banked time; the step may spend it,
-        up to MAX_ITL_FACTOR x the target so no single gap becomes a visible stall.
+        TPOT is the mean gap over a stream's whole output, so one long step only has to fit in what
+        the stream's other gaps leave: its target times all its gaps, less the time taken so far,
+        less its expected remaining gaps priced at the step time seen now (capped at the target:
+        priced at the target, the room is just the time banked so far). A stream expected to end
+        soon (few gaps left) lends little. The room is re-read every step, so a stream that lent it
+        gets tighter caps after. One step takes at least the target and at most MAX_ITL_FACTOR x
+        the target: no single gap becomes a stall.
         """
+        decode_step_s, _ = self.timer.coefficients()
         budgets = []
         for r in decodes:
             if not r.timings.first_token:
                 continue
             tpot = tpot_target_s(r.params, self.config.slo_tpot_s)
-            banked = tpot * r.num_output_tokens - (now - r.timings.first_token)
-            budgets.append(min(max(banked, tpot), self.MAX_ITL_FACTOR * tpot))
+            gaps_after = self.tokens_left(r) - 1  # this step yields one token; these come after it
+            future_s = min(max(self.timer.recent_step_s(), decode_step_s), tpot)
+            done_gaps = r.num_output_tokens - 1
+            room = tpot * (done_gaps + 1 + gaps_after) - (now - r.timings.first_token) - gaps_after * future_s
+            budgets.append(min(max(room, tpot), self.MAX_ITL_FACTOR * tpot))
         return min(budgets, default=self.config.slo_tpot_s)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
@@ -195,7 +213,12 @@ class SloPolicy:
         return cap
 
 
-def make_policy(config: SchedulerConfig, timer: StepTimer, block_size: int) -> SchedulePolicy:
+def make_policy(
+    config: SchedulerConfig,
+    timer: StepTimer,
+    block_size: int,
+    tokens_left: Callable[[Request], int] | None = None,
+) -> SchedulePolicy:
     if config.policy == "slo":
-        return SloPolicy(config, timer, block_size)
+        return SloPolicy(config, timer, block_size, tokens_left)
     return FcfsPolicy()

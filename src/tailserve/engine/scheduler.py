@@ -52,7 +52,7 @@ class Scheduler:
         self.kv = kv
         self.timer = timer or StepTimer(budget_tokens=config.max_num_batched_tokens)
         self._output_tokens = Ewma()  # output lengths of finished requests: when running ones end
-        self.policy: SchedulePolicy = make_policy(config, self.timer, kv.block_size)
+        self.policy: SchedulePolicy = make_policy(config, self.timer, kv.block_size, self._steps_left)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
