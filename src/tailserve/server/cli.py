@@ -122,6 +122,13 @@ def register(subparsers: Any) -> None:
         help="tokens generated for a request without max_tokens (shown in /v1/models)",
     )
     h.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before /ready")
+    h.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.5,
+        help="GIL switch interval of the server process (Python's own: 5): how long the engine thread "
+        "may wait for the GIL back from the HTTP thread after each model call",
+    )
     h.add_argument("--replicas", type=int, default=1, help="run N engine replicas behind the router")
     p.set_defaults(func=serve)
 
@@ -171,6 +178,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_tokens_default=args.max_tokens_default,
         warmup=not args.no_warmup,
         slo_classes=slo_classes,
+        switch_interval_s=args.switch_interval_ms / 1000,
     )
     return engine, server
 

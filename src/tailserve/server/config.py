@@ -30,6 +30,9 @@ class ServerConfig:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's own
     warmup: bool = True
     slo_classes: SloClasses | None = None  # --slo-classes; None: the built-in interactive and batch
+    # Python's GIL switch interval in this process (its own default is 5 ms): how long the engine
+    # thread may wait for the GIL back from the HTTP thread after each model call (docs/ENGINE.md).
+    switch_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,5 +45,9 @@ class ServerConfig:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.max_tokens_default < 1:
             raise ConfigError(f"--max-tokens-default must be at least 1, got {self.max_tokens_default}")
+        if not 1e-6 <= self.switch_interval_s <= 0.1:
+            raise ConfigError(
+                f"--switch-interval-ms must be in [0.001, 100], got {self.switch_interval_s * 1000:g}"
+            )
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key must not be empty")
