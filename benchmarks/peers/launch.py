@@ -50,9 +50,11 @@ def tailserve(
     extra_args: tuple[str, ...] = (),
     kv_cache_memory: str = "1536MiB",
     prefix_caching: bool = False,
+    key: str | None = None,
+    label: str | None = None,
 ) -> ServerSpec:
     """`tailserve serve` of the default model (prefix caching off unless asked); `slo` = (TTFT s,
-    TPOT s) targets."""
+    TPOT s) targets; `key` / `label` name a variant with `extra_args` (default ts-POLICY)."""
     command = [str(TAILSERVE), "serve", "--model", "default", "--schedule-policy", policy]
     command += [
         "--port",
@@ -77,8 +79,8 @@ def tailserve(
     if extra_args:
         notes += f", extra flags `{' '.join(extra_args)}`"
     return ServerSpec(
-        key=f"ts-{policy}",
-        label=f"tailserve ({policy})",
+        key=key or f"ts-{policy}",
+        label=label or f"tailserve ({policy})",
         command=command,
         env=thread_env(limits.threads),
         ready_path="/ready",

@@ -175,14 +175,14 @@ class SloPolicy:
         gets tighter caps after. One step takes at least the target and at most MAX_ITL_FACTOR x
         the target: no single gap becomes a stall.
         """
-        decode_step_s, _ = self.timer.coefficients()
+        recent_s = self.timer.recent_step_s()
         budgets = []
         for r in decodes:
             if not r.timings.first_token:
                 continue
             tpot = tpot_target_s(r.params, self.config.slo_tpot_s)
             gaps_after = self.tokens_left(r) - 1  # this step yields one token; these come after it
-            future_s = min(max(self.timer.recent_step_s(), decode_step_s), tpot)
+            future_s = min(recent_s, tpot)
             done_gaps = r.num_output_tokens - 1
             room = tpot * (done_gaps + 1 + gaps_after) - (now - r.timings.first_token) - gaps_after * future_s
             budgets.append(min(max(room, tpot), self.MAX_ITL_FACTOR * tpot))
