@@ -125,9 +125,9 @@ def register(subparsers: Any) -> None:
     h.add_argument(
         "--switch-interval-ms",
         type=float,
-        default=0.5,
-        help="GIL switch interval of the server process (Python's own: 5): how long the engine thread "
-        "may wait for the GIL back from the HTTP thread after each model call",
+        default=5.0,
+        help="GIL switch interval of the server process (default 5, Python's own): how long the engine "
+        "thread may wait for the GIL back from the HTTP thread after each model call",
     )
     h.add_argument("--replicas", type=int, default=1, help="run N engine replicas behind the router")
     p.set_defaults(func=serve)

@@ -30,9 +30,9 @@ class ServerConfig:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's own
     warmup: bool = True
     slo_classes: SloClasses | None = None  # --slo-classes; None: the built-in interactive and batch
-    # Python's GIL switch interval in this process (its own default is 5 ms): how long the engine
+    # Python's GIL switch interval in this process (default: Python's own 5 ms): how long the engine
     # thread may wait for the GIL back from the HTTP thread after each model call (docs/ENGINE.md).
-    switch_interval_s: float = 0.0005
+    switch_interval_s: float = 0.005
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

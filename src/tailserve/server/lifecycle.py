@@ -125,8 +125,7 @@ def run_server(app: FastAPI, config: ServerConfig) -> int:
     """`tailserve serve`'s app and ServerConfig: serve until drained."""
     drain: Drain = app.state.tailserve.admission.drain
     # The engine thread gives the GIL up at every model call (torch ops and the fused kernels run
-    # without it) and must win it back from the HTTP thread each time: at Python's 5 ms default it
-    # could wait that long per call, with the kernel threads idle meanwhile.
+    # without it) and wins it back from the HTTP thread within this interval (docs/ENGINE.md).
     sys.setswitchinterval(config.switch_interval_s)
     return serve_until_drained(
         app,
