@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,9 +27,11 @@ def test_the_flag_reaches_the_config_and_bad_values_name_it() -> None:
 
 
 def test_the_command_exits_2_on_a_bad_interval_before_loading_anything() -> None:
-    tailserve = Path(sys.executable).with_name("tailserve")
     done = subprocess.run(
-        [str(tailserve), "serve", "--switch-interval-ms", "0"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tailserve.cli", "serve", "--switch-interval-ms", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2
     assert "--switch-interval-ms must be in [0.001, 100], got 0" in done.stderr
