@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from compare.analyze import read_rows
 from machine import cpu_shares, cpu_times, git_commit, machine_line
 
 from tailserve.bench.stats import summarize
@@ -60,8 +61,7 @@ def banked_budget(policy: SloPolicy) -> Callable[[Sequence[Request], float], flo
 
 def load_arrivals(path: Path, limit: int) -> list[tuple[float, int, int]]:
     """(send time s, prompt tokens, output tokens) of the run's warm-up and measured requests."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [r for r in rows if r.get("phase") in ("warmup", "measured") and r.get("input_tokens")]
+    kept = [r for r in read_rows(path) if r.get("phase") in ("warmup", "measured") and r.get("input_tokens")]
     return [
         (float(r["scheduled_s"]), int(r["input_tokens"]), max(int(r.get("output_tokens") or 1), 1))
         for r in kept[:limit]
@@ -163,11 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not arrivals:
         sys.exit(f"--from: {args.source} holds no warm-up or measured request")
     runs = []
+    summaries = []  # (TTFT, TPOT) of each run, in the order of runs
     for round_no in range(1, args.rounds + 1):
         for cap in CAPS if round_no % 2 else tuple(reversed(CAPS)):
             result = replay(engine_for(args, cap), arrivals, seed=round_no)
             ttft, tpot = summarize(result["ttft_s"]), summarize(result["tpot_s"])
             runs.append({"round": round_no, "cap": cap, **result})
+            summaries.append((ttft, tpot))
             steal = "n/a" if result["steal"] is None else f"{result['steal']:.1%}"
             print(
                 f"round {round_no} {cap:8s} P99 TTFT {fmt(ttft)} s  P99 TPOT {fmt(tpot, 1000)} ms  steal {steal}"
@@ -183,8 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| round | cap | TTFT p50 s | P99 TTFT s [95%] | TPOT p50 ms | P99 TPOT ms [95%] | steal |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for run in runs:
-        ttft, tpot = summarize(run["ttft_s"]), summarize(run["tpot_s"])
+    for run, (ttft, tpot) in zip(runs, summaries, strict=True):
         steal = "n/a" if run["steal"] is None else f"{run['steal']:.1%}"
         p50_ttft = "n/a" if ttft is None else f"{ttft.p50:.3g}"
         p50_tpot = "n/a" if tpot is None else f"{tpot.p50 * 1000:.3g}"
