@@ -121,7 +121,10 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
 
     timer.record(Plan(10, 0), 0.004)  # decode-only steps: 4 ms
     timer.record(Plan(10, 0), 0.004)
-    timer.record(Plan(200, 190), 0.020)  # prompt-heavy steps: 0.1 ms per token
+    # A prompt-heavy step: the decode step's 4 ms plus 190 prompt tokens at 0.1 ms. The price is of a
+    # prompt token beyond the step's own cost; 23 ms over all 200 rows (0.115 ms) would charge the
+    # decode rows twice in every estimate.
+    timer.record(Plan(200, 190), 0.023)
     step_s, per_token = timer.coefficients()
     assert abs(step_s - 0.004) < 1e-9 and abs(per_token - 0.0001) < 1e-9
     # Streams with a single gap left: the step may take the 50 ms TPOT target,
@@ -129,14 +132,14 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     assert slo.prefill_cap(fresh, budget=246, now=now) == 246
     assert slo.prefill_cap(fresh, budget=1000, now=now) in (459, 460)  # float rounding
     # TPOT is a mean over the whole output: a fresh stream with 100 tokens to go (this step's gap, then
-    # 99 more at the recent step time, 7.2 ms, an EWMA of the three steps) has 100 x 0.05 - 99 x
-    # 0.0072 = 4.3 s of room; one step may take 4 x the target of it.
+    # 99 more at the recent step time, 7.8 ms, an EWMA of the three steps) has 100 x 0.05 - 99 x
+    # 0.0078 = 4.2 s of room; one step may take 4 x the target of it.
     long_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=101)]
-    assert abs(timer.recent_step_s() - 0.0072) < 1e-9
+    assert abs(timer.recent_step_s() - 0.0078) < 1e-9
     assert abs(slo.step_budget_s(long_fresh, now) - 0.2) < 1e-12
-    # With 3 tokens to go: 3 x 0.05 - 2 x 0.0072 = 0.1356 s.
+    # With 3 tokens to go: 3 x 0.05 - 2 x 0.0078 = 0.1344 s.
     short_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=4)]
-    assert abs(slo.step_budget_s(short_fresh, now) - 0.1356) < 1e-12
+    assert abs(slo.step_budget_s(short_fresh, now) - 0.1344) < 1e-12
     # Where steps run above the target, the remaining gaps are priced at the target: the room is
     # what the stream banked so far (the target here), as if nothing were left.
     slow = StepTimer(budget_tokens=256)
@@ -160,3 +163,31 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     pending = [(1000, now + 10.0, 2.0), (30, now + 10.0, 2.0), (500, now + 0.06, 2.0)]
     assert slo.tokens_ahead(pending, 50, 2.0, now) == 30 + 500
     assert FcfsPolicy().tokens_ahead(pending, 50, 2.0, now) == 1530
+
+
+def test_step_timer_prices_prompt_tokens_beyond_the_decode_step() -> None:
+    """Steps that cost a fixed part, per decode row and per prompt token (the shape measured on this
+    engine by benchmarks/step_model.py): the wait predicted for a prompt is that cost, not ~30% more
+    from charging the decode rows twice, so admission does not refuse requests that would make it."""
+
+    @dataclass
+    class Plan:
+        num_tokens: int
+        num_prefill_tokens: int
+
+    def cost_s(decodes: int, prompt: int) -> float:
+        return 0.009 + 0.0005 * decodes + 0.00035 * prompt
+
+    timer = StepTimer(budget_tokens=256)
+    running = 8
+    for prompt in (0, 0, 40, 0, 120, 0, 0, 248, 60, 0):
+        timer.record(Plan(running + prompt, prompt), cost_s(running, prompt))
+    # 600 prompt tokens beside 8 streams: ceil(600 / 248) = 3 steps.
+    truth = 2 * cost_s(running, 248) + cost_s(running, 104)
+    predicted = timer.estimate_s(600, running)
+    assert abs(predicted - truth) / truth < 0.02
+    # A decode step time measured in a spike (80 ms) does not make prompt tokens free or negative.
+    spiked = StepTimer(budget_tokens=256)
+    spiked.record(Plan(8, 0), 0.080)
+    spiked.record(Plan(72, 64), 0.040)
+    assert spiked.coefficients()[1] == 0.25 * 0.040 / 64

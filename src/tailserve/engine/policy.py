@@ -101,8 +101,7 @@ class SloPolicy:
         self.tokens_left = tokens_left or (lambda r: max(r.params.max_tokens - r.num_output_tokens, 1))
 
     def _prefill_s(self, tokens: int) -> float:
-        _, per_token = self.timer.coefficients()
-        return tokens * per_token
+        return self.timer.estimate_s(tokens, 0)  # at the full budget a step
 
     def _slack_s(self, remaining_tokens: int, deadline: float, now: float) -> float:
         return deadline - now - self._prefill_s(remaining_tokens)

@@ -240,7 +240,7 @@ class Ewma:
 class StepTimer:
     """Predicts step times from recent steps: decode-only step seconds and prefill seconds per token."""
 
-    PREFILL_HEAVY_TOKENS = 32  # a step with at least this many tokens measures prefill throughput
+    PREFILL_HEAVY_TOKENS = 32  # a step with at least this many prompt tokens prices a prompt token
 
     def __init__(self, alpha: float = 0.2, budget_tokens: int = 256) -> None:
         self.alpha = alpha
@@ -252,11 +252,16 @@ class StepTimer:
         self._any_step_s: float | None = None  # every step, whatever its mix
 
     def record(self, plan: Any, seconds: float) -> None:
-        tokens = int(plan.num_tokens)
-        if plan.num_prefill_tokens == 0:
+        prompt = int(plan.num_prefill_tokens)
+        if prompt == 0:
             self._decode_step_s = self._ewma(self._decode_step_s, seconds)
-        if tokens >= self.PREFILL_HEAVY_TOKENS:
-            self._per_token_s = self._ewma(self._per_token_s, seconds / tokens)
+        if prompt >= self.PREFILL_HEAVY_TOKENS:
+            # The price of a prompt token beyond the step's own cost (weights read once, the decode
+            # rows): the model every estimate uses, a step = decode step + prompt tokens x price.
+            # Dividing the whole step by every token charged the decodes twice. Floor: a quarter of
+            # the step, for when the decode step time is stale (measured in a steal spike).
+            own = max(seconds - (self._decode_step_s or 0.0), 0.25 * seconds)
+            self._per_token_s = self._ewma(self._per_token_s, own / prompt)
         self._any_step_s = self._ewma(self._any_step_s, seconds)
         self.steps += 1
         self.last_step_s = seconds
@@ -274,8 +279,9 @@ class StepTimer:
         return max(self._any_step_s or 0.0, self._decode_step_s or 0.0)
 
     def estimate_s(self, tokens: int, running: int, per_step_tokens: int | None = None) -> float:
-        """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes."""
+        """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes:
+        each step costs a decode step (its fixed part) plus its prompt tokens at their price."""
         step_s, per_token = self.coefficients()
         per_step = max(min(per_step_tokens or self.budget_tokens, self.budget_tokens - running), 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
-        return steps * (step_s if running else 0.0) + tokens * per_token
+        return steps * step_s + tokens * per_token
