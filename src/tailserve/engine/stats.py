@@ -1,7 +1,7 @@
 """Engine counters for metrics, per-step metrics, and a step-time model used to predict queue waits.
 
 The model keeps two moving averages, refreshed after every step: the time of a decode-only step
-(the per-step cost that every step pays) and the seconds per token of prompt-heavy steps. Step
+(the per-step cost that every step pays) and the price of a prompt token beyond it. Step
 metrics only count what the step loop hands them (host clock reads): nothing here touches a device.
 """
 
