@@ -41,8 +41,14 @@ from compare.store import Store
 
 REFERENCE = "ts-slo"  # its capacity sets the shared reference rate, so it is measured first
 SERVERS = ("ts-slo", "ts-fcfs", "vllm", "llamacpp", "hf-cb")  # the order they run in
-OTHER_SERVERS = ("llamacpp-1t", "hf", "ts-slo-gil05")  # known, not run unless asked
+OTHER_SERVERS = ("llamacpp-1t", "hf", "ts-slo-gil05", "ts-slo-edf")  # known, not run unless asked
 GIL05_LABEL = "tailserve (slo, GIL switch 0.5 ms)"  # the A/B of --switch-interval-ms (default 5)
+EDF_LABEL = "tailserve (slo, deadline order)"  # the A/B of --urgent-slack (default 0.25)
+# tailserve (slo) variants for A/Bs: key -> (extra flags, label)
+TS_VARIANTS = {
+    "ts-slo-gil05": (("--switch-interval-ms", "0.5"), GIL05_LABEL),
+    "ts-slo-edf": (("--urgent-slack", "1"), EDF_LABEL),
+}
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt
 CALIBRATION_OUTPUT = 32
 
@@ -66,10 +72,11 @@ def server_spec(
     if key in ("ts-slo", "ts-fcfs"):
         targets = (slo.ttft_s, slo.tpot_s) if slo else None
         return launch.tailserve(key.removeprefix("ts-"), port, limits, targets, prefix_caching=cache)
-    if key == "ts-slo-gil05":
+    if key in TS_VARIANTS:
         targets = (slo.ttft_s, slo.tpot_s) if slo else None
-        return launch.tailserve("slo", port, limits, targets, extra_args=("--switch-interval-ms", "0.5"),
-                                prefix_caching=cache, key=key, label=GIL05_LABEL)  # fmt: skip
+        flags, label = TS_VARIANTS[key]
+        return launch.tailserve("slo", port, limits, targets, extra_args=flags, prefix_caching=cache,
+                                key=key, label=label)  # fmt: skip
     if key in ("hf", "hf-cb"):
         return launch.transformers_serve(
             port, limits, continuous_batching=key == "hf-cb", prefix_caching=cache

@@ -114,6 +114,10 @@ class SchedulerConfig:
     # slo: the share of each step's prefill budget that requests past saving (their TTFT deadline
     # is lost) keep, so they yield to savable requests without starving (docs/ENGINE.md).
     past_saving_share: float = 0.25
+    # slo: a prompt whose slack (deadline - now - its predicted prefill) is under this share of its
+    # TTFT target goes earliest deadline first; above it, least prompt x target first. 1: deadline
+    # order for all (the least maximum lateness); 0: Smith's rule until a prompt is past saving.
+    urgent_slack: float = 0.25
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -135,6 +139,9 @@ class SchedulerConfig:
         _require(
             0.0 < self.past_saving_share <= 1.0,
             f"--past-saving-share must be in (0, 1] (0 would starve late requests), got {self.past_saving_share}",
+        )
+        _require(
+            0.0 <= self.urgent_slack <= 1.0, f"--urgent-slack must be in [0, 1], got {self.urgent_slack}"
         )
 
 

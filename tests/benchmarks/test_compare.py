@@ -496,3 +496,7 @@ def test_the_gil_variant_is_tailserve_slo_at_a_tenth_of_the_switch_interval() ->
     assert gil05.command == [*base.command, "--switch-interval-ms", "0.5"]
     assert "--switch-interval-ms" not in base.command  # ts-slo runs the server's default (5 ms)
     assert report.LABELS["ts-slo-gil05"] == gil05.label
+    # `ts-slo-edf`: the A/B of --urgent-slack, every prompt in deadline order.
+    edf = server_spec("ts-slo-edf", plan.WORKLOADS["longtail"], 8001, Path("m.gguf"), limits, SLO)
+    assert edf.command == [*base.command, "--urgent-slack", "1"]
+    assert report.LABELS["ts-slo-edf"] == edf.label != base.label

@@ -191,3 +191,34 @@ def test_step_timer_prices_prompt_tokens_beyond_the_decode_step() -> None:
     spiked.record(Plan(8, 0), 0.080)
     spiked.record(Plan(72, 64), 0.040)
     assert spiked.coefficients()[1] == 0.25 * 0.040 / 64
+
+
+def test_urgent_slack_turns_shortest_first_into_deadline_order() -> None:
+    """A long prompt queued 0.1 s before a short one, both with a 0.55 s target and slack to spare:
+    by default the short one goes first (shortest first until the slack runs low); with
+    `--urgent-slack 1` every prompt goes by deadline, so the long one keeps its place, and admission
+    counts it ahead of a short newcomer."""
+
+    @dataclass
+    class Plan:
+        num_tokens: int
+        num_prefill_tokens: int
+
+    now = 1000.0
+    timer = StepTimer(budget_tokens=256)
+    timer.record(Plan(8, 0), 0.010)
+    timer.record(Plan(256, 248), 0.010 + 248 * 0.0003)
+
+    def queued(name: str, tokens: int, age_s: float, seq_no: int) -> Request:
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        return Request(name, [5] * tokens, params, RequestTimings(arrival=now - age_s), seq_no=seq_no)
+
+    long, short = queued("long", 375, 0.1, 0), queued("short", 40, 0.0, 1)
+    orders = {}
+    for slack in (0.25, 1.0):
+        config = SchedulerConfig(policy="slo", slo_ttft_s=0.55, urgent_slack=slack)
+        policy = SloPolicy(config, timer, block_size=16)
+        orders[slack] = [r.request_id for r in policy.order_prefills([long, short], now).savable]
+        ahead = policy.tokens_ahead([(375, now + 0.45, 0.55)], 40, 0.55, now)
+        assert ahead == (375 if slack == 1.0 else 0)
+    assert orders == {0.25: ["short", "long"], 1.0: ["long", "short"]}

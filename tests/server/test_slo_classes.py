@@ -175,8 +175,8 @@ def test_interactive_requests_get_first_tokens_before_queued_batch_ones(smol: Lo
 
 
 def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
-    """`tailserve serve --slo-classes FILE --prefill-floor --past-saving-share`; a bad file or share
-    is a ConfigError (the command prints it and exits 2)."""
+    """`tailserve serve --slo-classes FILE --prefill-floor --past-saving-share --urgent-slack`; a bad
+    file, share or slack is a ConfigError (the command prints it and exits 2)."""
     from tailserve.cli import build_parser
     from tailserve.server.cli import configs_from_args
 
@@ -192,9 +192,12 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
         "0",
         "--past-saving-share",
         "0.5",
+        "--urgent-slack",
+        "1",
     ]
     engine, server = configs_from_args(build_parser().parse_args(flags))
     assert (engine.scheduler.prefill_floor, engine.scheduler.past_saving_share) == (0.0, 0.5)
+    assert engine.scheduler.urgent_slack == 1.0
     assert server.slo_classes is not None
     assert server.slo_classes.classes["interactive"].ttft_s == 3.0  # built-in: --slo-ttft
     assert server.slo_classes.classes["batch"].ttft_s == 20.0  # the file's
@@ -204,3 +207,5 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
         configs_from_args(build_parser().parse_args(flags))
     with pytest.raises(ConfigError, match="--past-saving-share"):
         configs_from_args(build_parser().parse_args(["serve", "--past-saving-share", "0"]))
+    with pytest.raises(ConfigError, match="--urgent-slack"):
+        configs_from_args(build_parser().parse_args(["serve", "--urgent-slack", "1.5"]))

@@ -107,8 +107,8 @@ class SloPolicy:
         return deadline - now - self._prefill_s(remaining_tokens)
 
     def _urgent(self, remaining_tokens: int, deadline: float, ttft_s: float, now: float) -> bool:
-        # Urgent once the slack left is under a quarter of the target beyond its own prefill time.
-        return self._slack_s(remaining_tokens, deadline, now) < 0.25 * ttft_s
+        # Urgent once the slack left beyond its own prefill time is under --urgent-slack x the target.
+        return self._slack_s(remaining_tokens, deadline, now) < self.config.urgent_slack * ttft_s
 
     def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool:
         """Its prefill, even at the full budget from now on, is predicted to end after its deadline."""

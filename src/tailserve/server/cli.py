@@ -104,6 +104,13 @@ def register(subparsers: Any) -> None:
         default=0.25,
         help="slo: share of each step's prefill kept for requests past their TTFT deadline",
     )
+    s.add_argument(
+        "--urgent-slack",
+        type=float,
+        default=0.25,
+        help="slo: a prompt goes earliest-deadline-first once its slack is under this share of its "
+        "TTFT target, shortest (prompt x target) first before (1: deadline order for all)",
+    )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     h.add_argument("--port", type=int, default=8000)
@@ -164,6 +171,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             slo_tpot_s=args.slo_tpot,
             prefill_floor=args.prefill_floor,
             past_saving_share=args.past_saving_share,
+            urgent_slack=args.urgent_slack,
         ),
     )
     scheduler = engine.scheduler
