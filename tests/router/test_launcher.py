@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import signal
 import subprocess
 import sys
@@ -88,7 +89,11 @@ def test_wait_ready_fails_fast_when_a_child_exits() -> None:
 
 
 def test_serve_replicas_end_to_end() -> None:
-    port = free_port()
+    # The replicas take the ports right above the router's. A port from free_port() is an ephemeral
+    # one, and the test's own /ready polls open connections from ephemeral source ports, which can
+    # take a replica's port before the replica binds it (seen once in a full suite). Below the
+    # ephemeral range, only listeners compete.
+    port = launcher.consecutive_free_ports(3, random.randrange(20000, 30000))[0]
     cmd = tailserve_command("serve", "--model", "dummy:tiny", "--replicas", "2")
     cmd += ["--port", str(port), "--log-level", "warning", "--drain-timeout", "2"]
     with running_process(cmd, port, ready_timeout_s=180, env={"OMP_NUM_THREADS": "1"}) as router:
