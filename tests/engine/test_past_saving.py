@@ -210,3 +210,50 @@ def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
     assert wait > 9 * 0.14  # the slot frees at the steps' pace now, not at a decode-only step's
     scheduler.finish(scheduler.running[0], "abort")  # a slot is free: no wait at all
     assert scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now) == 0.0
+
+
+def test_a_late_request_takes_the_next_free_slot_under_a_steady_stream() -> None:
+    """Both sequence slots are busy with long prompts while a late request waits for one, and short
+    savable newcomers keep arriving. The first slot that frees is the late one's: it finishes within
+    a step of it, not when the stream ends. The newcomers keep the other slot."""
+    config = SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=2, policy="slo", slo_ttft_s=10.0)
+    timer = StepTimer(budget_tokens=BUDGET)
+    timer.record(_Plan(8, 0), 0.004)
+    timer.record(_Plan(BUDGET, BUDGET), BUDGET * PER_TOKEN_S)
+    run = _Run(Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer))
+    for i in range(2):
+        run.add(f"busy{i}", 320, ttft_s=1000.0)  # 10 steps of prefill for both, at 32 tokens each
+    run.run_step()  # both slots taken
+    run.add("late", 16, age_s=100.0)
+    for step in range(40):
+        run.add(f"s{step}", 16, ttft_s=1000.0)  # a one-chunk newcomer every step
+        run.run_step()
+    first_free = min(run.first_token_step["busy0"], run.first_token_step["busy1"])
+    assert run.first_token_step["late"] <= first_free + 1
+    newcomers = [at for name, at in run.first_token_step.items() if name.startswith("s")]
+    assert len(newcomers) >= 20  # the stream kept flowing through the other slot
+
+
+def test_admission_counts_a_late_request_ahead_for_a_slot() -> None:
+    """A full batch and a late request waiting for a slot: a newcomer waits for two slots to free
+    (the late one's, then its own), so its estimate is above the one without the late request."""
+    waits = []
+    for with_late in (False, True):
+        config = SchedulerConfig(max_num_batched_tokens=BUDGET, policy="slo", slo_ttft_s=2.0, max_num_seqs=2)
+        timer = StepTimer(budget_tokens=BUDGET)
+        timer.record(_Plan(2, 0), 0.05)
+        scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer)
+        now = time.monotonic()
+        for i, max_tokens in enumerate((100, 60)):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            scheduler.add(Request(f"long{i}", [5, 6, 7, 8], params, RequestTimings(arrival=now), seq_no=i))
+        plan = scheduler.step_plan()
+        scheduler.postprocess(plan)
+        for req, _ in plan.scheduled:
+            req.token_ids.append(1)
+        if with_late:
+            params = SamplingParams(max_tokens=1)
+            scheduler.add(Request("late", [9] * 32, params, RequestTimings(arrival=now - 100.0), seq_no=5))
+        waits.append(scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now))
+    assert waits[0] == pytest.approx(59 * 0.05 + 0.05)  # the 60-token stream ends first
+    assert waits[1] == pytest.approx(99 * 0.05 + 0.05)  # the late one takes that slot: the next is in 99

@@ -8,8 +8,8 @@ which running request gives its blocks back when the pool runs dry.
   short question is not stuck behind a long document and a tight target goes before a loose one.
   Slack shrinks as a request waits, so every request becomes urgent in time. A request that can no
   longer make its deadline (its predicted prefill ends past it) is *past saving*: it yields to the
-  savable ones but keeps `past_saving_share` of every step's prefill budget, so its lateness is
-  bounded. While decodes run, prefill per step is capped so the predicted step time keeps every
+  savable ones but keeps `past_saving_share` of every step's prefill budget, and the next free
+  sequence slot while it waits for one, so its lateness is bounded. While decodes run, prefill per step is capped so the predicted step time keeps every
   stream's TPOT (an average over its whole output) under its target: a stream whose tokens so far
   and whose expected remaining tokens, at the step time seen now, leave room under its target
   lends that room to prefill, up to 4x the target for one step. The cap never drops below
@@ -47,6 +47,8 @@ class SchedulePolicy(Protocol):
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int: ...
 
+    def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool: ...
+
     def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
 
     def tokens_ahead(
@@ -69,6 +71,9 @@ class FcfsPolicy:
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
         return 0
+
+    def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool:
+        return False  # arrival order only: no request is set aside
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return max(candidates, key=lambda r: r.seq_no)
