@@ -30,7 +30,9 @@ from tailserve.model.weight_formats import (
 from tests.model.test_weight_formats import _assert_within_bf16, _blocks
 
 HAS_COMPILER = platform.system() == "Linux" and (shutil.which("cc") or shutil.which("gcc")) is not None
-HAS_AMX = "amx_bf16" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+HAS_AMX = "amx_bf16" in CPU_FLAGS
+HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,11 @@ def lib() -> ctypes.CDLL:
 
 
 @pytest.fixture(scope="module")
-def amx(lib: ctypes.CDLL) -> ctypes.CDLL:
-    built = cpu_kernels.amx()
+def tiles(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The int4 / Q8_0 tile matmuls, on AMX or (without it) AVX512-BF16."""
+    built = cpu_kernels.tile_matmuls()
     if built is None:
-        pytest.skip("this CPU has no AMX: int4 runs on torch's kernel, the head on bf16")
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16: int4 runs on torch's kernel, the head on bf16")
     return built
 
 
@@ -55,18 +58,22 @@ def test_the_kernels_build_wherever_a_compiler_is() -> None:
     assert cpu_kernels.load() is not None
     if HAS_AMX:
         assert cpu_kernels.amx() is not None
+        assert cpu_kernels.identity().endswith("+amx")
+    elif HAS_AVX512_BF16:  # AMD Zen 4 and the like: the int matmuls run, prompt int4 does not
+        assert cpu_kernels.amx() is None and cpu_kernels.tile_matmuls() is not None
+        assert cpu_kernels.identity().endswith("+avx512bf16")
     assert cpu_kernels.identity().startswith("cpu_kernels-")
 
 
 @pytest.fixture
 def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """load() / amx() forget what they built, and build under tmp_path; restored afterwards."""
+    """load() / tile_isa() forget what they built, and build under tmp_path; restored afterwards."""
     monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path))
     cpu_kernels.load.cache_clear()
-    cpu_kernels.amx.cache_clear()
+    cpu_kernels.tile_isa.cache_clear()
     yield
     cpu_kernels.load.cache_clear()
-    cpu_kernels.amx.cache_clear()
+    cpu_kernels.tile_isa.cache_clear()
 
 
 @pytest.mark.usefixtures("fresh_kernels")
@@ -185,27 +192,29 @@ def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize(("n", "k"), [(24, 96), (80, 160), (960, 576)])
-def test_amx_int4_matmul_is_exact_to_the_blocks(amx: ctypes.CDLL, kind: str, n: int, k: int) -> None:
+def test_int4_tile_matmul_is_exact_to_the_blocks(tiles: ctypes.CDLL, kind: str, n: int, k: int) -> None:
     """The file's own scale and min, widened to float32, times bf16 x with float32 sums: the only
     rounding is the output to bf16 (torch's int4 kernel rounds scale and zero to bf16 too)."""
     t = _blocks(kind, n, k, seed=n + k)
     groups = int4_from_blocks(t)
     assert groups is not None
     bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
-    packed = pack_amx_int4(groups, amx, bias)
+    packed = pack_amx_int4(groups, tiles, bias)
     ref_w = groups.dequantize()
     for rows in (1, 5, 16, 17, 40):
         x = _bf(rows, k, seed=rows)
         got = packed.matmul(x.contiguous())
         assert got.shape == (rows, n)
         _assert_within_bf16(got, x.float() @ ref_w.T + bias.to(torch.bfloat16).float())
+        for i in {0, rows - 1}:  # a row alone equals that row in the batch, bit for bit
+            assert torch.equal(packed.matmul(x[i : i + 1].contiguous()), got[i : i + 1])
 
 
-def test_amx_q8_head_is_exact_to_the_q8_0_blocks(amx: ctypes.CDLL) -> None:
+def test_q8_tile_head_is_exact_to_the_q8_0_blocks(tiles: ctypes.CDLL) -> None:
     t = _blocks("Q8_0", 1000, 224, seed=9)  # a vocab off the 16-wide tile
     groups = int8_groups_from_blocks(t)
     assert groups is not None
-    packed = pack_amx_int8(groups, amx)
+    packed = pack_amx_int8(groups, tiles)
     ref_w = groups.dequantize()
     x = _bf(21, 224, seed=10)
     got = packed.matmul(x.contiguous())
@@ -275,17 +284,18 @@ def test_the_kernels_share_torchs_openmp_threads(lib: ctypes.CDLL, threads: Call
 
 
 def test_every_kernel_gives_the_same_bits_at_any_thread_count(
-    amx: ctypes.CDLL, threads: Callable[[int], int]
+    tiles: ctypes.CDLL, threads: Callable[[int], int]
 ) -> None:
     """Threads split outputs (tiles, sequences, rows), never a sum: 1, 2 and 3 threads agree bit for
-    bit on the int4 decode and prompt matmuls, the q8 head, decode attention and the row kernels."""
+    bit on the int4 decode and (with AMX) prompt matmuls, the q8 head, decode attention and the row
+    kernels."""
     t = _blocks("Q4_1", 960, 576, seed=3)
     groups = int4_from_blocks(t)
     assert groups is not None
-    q4 = pack_amx_int4(groups, amx, torch.randn(960, generator=torch.Generator().manual_seed(4)))
+    q4 = pack_amx_int4(groups, tiles, torch.randn(960, generator=torch.Generator().manual_seed(4)))
     g8 = int8_groups_from_blocks(_blocks("Q8_0", 1000, 576, seed=5))
     assert g8 is not None
-    q8 = pack_amx_int8(g8, amx)
+    q8 = pack_amx_int8(g8, tiles)
     bs, lens, heads, kv_heads, dim = 16, [1, 17, 100, 257, 40], 9, 3, 64
     width = max(-(-n // bs) for n in lens)
     g = torch.Generator().manual_seed(6)
@@ -304,14 +314,15 @@ def test_every_kernel_gives_the_same_bits_at_any_thread_count(
 
     def run() -> list[torch.Tensor]:
         attn = torch.empty_like(q)
-        amx.ts_paged_decode_attention(
+        tiles.ts_paged_decode_attention(
             ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), width, ptr(seq_lens), ptr(attn),
             len(lens), heads, kv_heads, dim, bs, dim**-0.5,
         )  # fmt: skip
         act, h, normed = torch.empty(300, 1536, dtype=torch.bfloat16), h0.clone(), torch.empty_like(delta)
-        amx.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
-        amx.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
-        return [q4.matmul(x_decode), q4.prefill_matmul(x_prompt), q8.matmul(x_decode), attn, act, h, normed]
+        tiles.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
+        tiles.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
+        prompt = [q4.prefill_matmul(x_prompt)] if cpu_kernels.amx() is not None else []
+        return [q4.matmul(x_decode), *prompt, q8.matmul(x_decode), attn, act, h, normed]
 
     assert threads(1) == 1
     alone = run()

@@ -99,7 +99,12 @@ def _compare(
     for step, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
         assert got.shape == want.shape == (want.shape[0], vocab)
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, s=step: f"step {s}: {m}")
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), step
+        # The same top token, except on a near tie (random dummy weights have some): where the
+        # reference's best two are within a fifth of the tolerance, rounding may pick either.
+        top2 = want.topk(2, dim=-1).values
+        differ = got.argmax(-1) != want.argmax(-1)
+        tie = top2[:, 0] - top2[:, 1] <= atol / 5
+        assert not (differ & ~tie).any(), f"step {step}: rows {differ.nonzero().flatten().tolist()}"
     if weight_format == "fp32":
         assert got_tokens == want_tokens
     else:
@@ -161,7 +166,7 @@ def _random_groups(n: int, k: int, seed: int) -> Int4Groups:
 
 
 def _matmul(groups: Int4Groups, x: torch.Tensor) -> torch.Tensor:
-    lib = cpu_kernels.amx()
+    lib = cpu_kernels.tile_matmuls()
     packed = pack_amx_int4(groups, lib) if lib is not None else pack_int4(groups)
     return packed.matmul(x).float()
 

@@ -33,7 +33,7 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 2; }
+int ts_abi_version(void) { return 3; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
@@ -400,22 +400,31 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t i = 0; i < heads * dim; i++) out[i] = f32_to_bf16(acc[i]);
 }
 
-/* --- Matmuls on AMX tiles: int4 layer weights and the int8 LM head, exact to the file's blocks ---
+/* --- Matmuls on bf16 tiles: int4 layer weights and the int8 LM head, exact to the file's blocks ---
  *
  * Both take bf16 activations x [rows, k] and weights in groups of 32 along k, each group of each
  * output with its own float32 scale: w = scale * q (+ min). Per block of 16 output channels and
  * group, the codes are widened into a bf16 tile (exactly: |q| <= 255 fits bf16's 8 significant
- * bits), one TDPBF16PS multiplies up to 16 rows at once with float32 sums, and the group's scale is
- * applied to the float32 result, so nothing is rounded but x (already bf16) and the output. Rows are
+ * bits), multiplied with up to 16 rows at once with float32 sums, and the group's scale is applied
+ * to the float32 result, so nothing is rounded but x (already bf16) and the output. Rows are
  * independent: a row's result does not depend on the other rows. k must be a multiple of 32, n_out of
- * 16. AMX needs the kernel's permission for tile data: ts_amx_init asks for it (0: unavailable). */
+ * 16. The tile product runs on AMX (TDPBF16PS) where the CPU has it and the OS grants tile data
+ * (ts_amx_init asks), else on AVX512-BF16 dot products (VDPBF16PS: AMD Zen 4, Intel Cooper Lake):
+ * the same packed weights and the same sums per group, in another order (a few float32 ulps apart).
+ * ts_tile_isa says which runs. */
 #define TILE_N 16
 #define GROUP_K 32
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TS_AMX 1
+#endif
+#if defined(__AVX512BF16__)
+#define TS_DPBF16 1
+#endif
 
 static int amx_ready = 0; /* set by ts_amx_init once the OS granted tile data */
 
 int ts_amx_init(void) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_AMX)
     amx_ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     return amx_ready;
 #else
@@ -423,7 +432,86 @@ int ts_amx_init(void) {
 #endif
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_DPBF16)
+/* One group's B tile in registers: row i holds k-pair (2i, 2i + 1) of the group for the 16
+ * outputs, element 2j + e = output j at k = 2i + e. q4: a nibble q becomes the bf16 number 128 + q
+ * by OR-ing it into 0x4300 (the caller takes the 128 back out through sum(x)); q8: int8 -> float
+ * -> bf16, exact. */
+static inline void widen_q4_regs(const uint8_t *w, __m512i *b) {
+    const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
+    for (int c = 0; c < 8; c++) {
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + c * 32)));
+        b[2 * c] = _mm512_ternarylogic_epi32(words, low, magic, 0xEA);
+        b[2 * c + 1] = _mm512_or_si512(_mm512_srli_epi16(words, 4), magic);
+    }
+}
+
+static inline void widen_q8_regs(const int8_t *w, __m512i *b) {
+    for (int i = 0; i < 16; i++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i * 32));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+        b[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+}
+
+/* acc[r] (16 outputs) += d * c (+ m * xsum of the row's group g): one row's group on AVX512-BF16. */
+static inline void dp_epilogue(__m512 c, __m512 d, __m512 m, int q4, const float *xsum, int64_t groups, int64_t g,
+                               int64_t r, float *acc) {
+    __m512 a = _mm512_loadu_ps(acc + r * 16);
+    if (q4) a = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), a);
+    _mm512_storeu_ps(acc + r * 16, _mm512_fmadd_ps(d, c, a));
+}
+
+/* acc [rows, 16] += the tile's outputs over all groups, on AVX512-BF16: per group, its B tile
+ * widened once into registers, then each row's 16 x pairs broadcast against it (four float32
+ * chains, summed in a fixed order) and the group's epilogue as on AMX. q4 as in amx_tile. */
+static inline void dp_tile(const bf16 *x, int64_t k, const void *w, int q4, const float *scale,
+                           const float *shifted_min, const float *xsum, float *acc, int64_t rows) {
+    const int64_t groups = k / GROUP_K, group_bytes = q4 ? 256 : 512;
+    const uint8_t *wb = (const uint8_t *)w;
+    __m512i b[16];
+    for (int64_t g = 0; g < groups; g++) {
+        if (q4)
+            widen_q4_regs(wb + g * group_bytes, b);
+        else
+            widen_q8_regs((const int8_t *)wb + g * group_bytes, b);
+        const __m512 d = _mm512_loadu_ps(scale + g * 16);
+        const __m512 m = q4 ? _mm512_loadu_ps(shifted_min + g * 16) : _mm512_setzero_ps();
+        int64_t r = 0;
+        for (; r + 1 < rows; r += 2) { /* two rows at a time: eight independent chains */
+            const int32_t *xp = (const int32_t *)(x + r * k + g * GROUP_K); /* the row's 16 k-pairs */
+            const int32_t *xq = (const int32_t *)(x + (r + 1) * k + g * GROUP_K);
+            __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, e0 = c0, e1 = c0, e2 = c0, e3 = c0;
+            for (int i = 0; i < 16; i += 4) {
+                c0 = _mm512_dpbf16_ps(c0, (__m512bh)b[i], (__m512bh)_mm512_set1_epi32(xp[i]));
+                e0 = _mm512_dpbf16_ps(e0, (__m512bh)b[i], (__m512bh)_mm512_set1_epi32(xq[i]));
+                c1 = _mm512_dpbf16_ps(c1, (__m512bh)b[i + 1], (__m512bh)_mm512_set1_epi32(xp[i + 1]));
+                e1 = _mm512_dpbf16_ps(e1, (__m512bh)b[i + 1], (__m512bh)_mm512_set1_epi32(xq[i + 1]));
+                c2 = _mm512_dpbf16_ps(c2, (__m512bh)b[i + 2], (__m512bh)_mm512_set1_epi32(xp[i + 2]));
+                e2 = _mm512_dpbf16_ps(e2, (__m512bh)b[i + 2], (__m512bh)_mm512_set1_epi32(xq[i + 2]));
+                c3 = _mm512_dpbf16_ps(c3, (__m512bh)b[i + 3], (__m512bh)_mm512_set1_epi32(xp[i + 3]));
+                e3 = _mm512_dpbf16_ps(e3, (__m512bh)b[i + 3], (__m512bh)_mm512_set1_epi32(xq[i + 3]));
+            }
+            dp_epilogue(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)), d, m, q4, xsum, groups, g, r, acc);
+            dp_epilogue(_mm512_add_ps(_mm512_add_ps(e0, e1), _mm512_add_ps(e2, e3)), d, m, q4, xsum, groups, g, r + 1, acc);
+        }
+        for (; r < rows; r++) {
+            const int32_t *xp = (const int32_t *)(x + r * k + g * GROUP_K);
+            __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+            for (int i = 0; i < 16; i += 4) {
+                c0 = _mm512_dpbf16_ps(c0, (__m512bh)b[i], (__m512bh)_mm512_set1_epi32(xp[i]));
+                c1 = _mm512_dpbf16_ps(c1, (__m512bh)b[i + 1], (__m512bh)_mm512_set1_epi32(xp[i + 1]));
+                c2 = _mm512_dpbf16_ps(c2, (__m512bh)b[i + 2], (__m512bh)_mm512_set1_epi32(xp[i + 2]));
+                c3 = _mm512_dpbf16_ps(c3, (__m512bh)b[i + 3], (__m512bh)_mm512_set1_epi32(xp[i + 3]));
+            }
+            dp_epilogue(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)), d, m, q4, xsum, groups, g, r, acc);
+        }
+    }
+}
+#endif
+
+#if defined(TS_AMX)
 typedef struct {
     uint8_t palette, start_row;
     uint8_t reserved[14];
@@ -460,23 +548,17 @@ static inline void amx_epilogue(const float *c_buf, float *acc, int64_t rows, co
     }
 }
 
-/* One group's B tile from its 8 packed k-quads (q4) or 16 k-pair rows (q8). */
+/* One group's B tile from its 8 packed k-quads (q4) or 16 k-pair rows (q8), into memory (AMX). */
 static inline void widen_q4_group(const uint8_t *w, bf16 *b_tile) {
-    const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
-    for (int64_t c = 0; c < 8; c++) {
-        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + c * 32)));
-        _mm512_store_si512(b_tile + (2 * c) * 32, _mm512_ternarylogic_epi32(words, low, magic, 0xEA));
-        _mm512_store_si512(b_tile + (2 * c + 1) * 32, _mm512_or_si512(_mm512_srli_epi16(words, 4), magic));
-    }
+    __m512i b[16];
+    widen_q4_regs(w, b);
+    for (int i = 0; i < 16; i++) _mm512_store_si512(b_tile + i * 32, b[i]);
 }
 
 static inline void widen_q8_group(const int8_t *w, bf16 *b_tile) {
-    for (int64_t i = 0; i < 16; i++) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i * 32));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
-        _mm512_store_si512(b_tile + i * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    __m512i b[16];
+    widen_q8_regs(w, b);
+    for (int i = 0; i < 16; i++) _mm512_store_si512(b_tile + i * 32, b[i]);
 }
 
 /* acc [rows, 16] += the tile's outputs over all groups: groups two at a time on the two tile sets.
@@ -629,7 +711,7 @@ static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
  * number 128 + q by OR-ing it into 0x4300, so the tile sums (128 + q) x, and the caller passes
  * shifted_min = min - 128 * scale to take the 128 back out through sum(x) of the group.
  * scale / shifted_min float32 [n_out / 16, k / 32, 16]. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_DPBF16)
 typedef struct {
     const bf16 *x;
     int64_t rows, k, n_out, tiles_per_chunk, tiles;
@@ -639,9 +721,8 @@ typedef struct {
     void *y; /* bf16 (q4) or float32 (q8) [rows, n_out] */
 } tile_job;
 
-/* One chunk of ts_q4_matmul / ts_q8_matmul: its output tiles for every row. */
-static void tile_chunk(const void *arg, int64_t chunk) {
-    const tile_job *j = (const tile_job *)arg;
+/* One chunk of ts_q4_matmul / ts_q8_matmul: its output tiles for every row, on AMX when `amx`. */
+static inline void tile_chunk_on(const tile_job *j, int64_t chunk, int amx) {
     const int q4 = j->xsum != NULL;
     const int64_t groups = j->k / GROUP_K, t0 = chunk * j->tiles_per_chunk;
     const int64_t t1 = t0 + j->tiles_per_chunk < j->tiles ? t0 + j->tiles_per_chunk : j->tiles;
@@ -649,11 +730,21 @@ static void tile_chunk(const void *arg, int64_t chunk) {
     float acc[16 * 16] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < j->rows; m0 += 16) {
         const int64_t mb = j->rows - m0 < 16 ? j->rows - m0 : 16;
-        amx_config(mb);
+#if defined(TS_AMX)
+        if (amx) amx_config(mb);
+#endif
         for (int64_t t = t0; t < t1; t++) {
             memset(acc, 0, sizeof acc);
-            amx_tile(j->x + m0 * j->k, j->k, (const uint8_t *)j->packed + t * tile_bytes, q4, j->scale + t * groups * 16,
-                     q4 ? j->shifted_min + t * groups * 16 : NULL, q4 ? j->xsum + m0 * groups : NULL, acc, mb);
+            const uint8_t *w = (const uint8_t *)j->packed + t * tile_bytes;
+            const float *scale = j->scale + t * groups * 16;
+            const float *shifted_min = q4 ? j->shifted_min + t * groups * 16 : NULL;
+            const float *xsum = q4 ? j->xsum + m0 * groups : NULL;
+#if defined(TS_AMX)
+            if (amx)
+                amx_tile(j->x + m0 * j->k, j->k, w, q4, scale, shifted_min, xsum, acc, mb);
+            else
+#endif
+                dp_tile(j->x + m0 * j->k, j->k, w, q4, scale, shifted_min, xsum, acc, mb);
             for (int64_t r = 0; r < mb; r++) {
                 __m512 out = _mm512_loadu_ps(acc + r * 16);
                 if (q4) {
@@ -666,8 +757,14 @@ static void tile_chunk(const void *arg, int64_t chunk) {
             }
         }
     }
-    _tile_release();
+#if defined(TS_AMX)
+    if (amx) _tile_release();
+#else
+    (void)amx;
+#endif
 }
+
+static void tile_chunk(const void *arg, int64_t chunk) { tile_chunk_on((const tile_job *)arg, chunk, amx_ready); }
 
 /* Output tiles per chunk: about four chunks a thread, so a late or slow thread is made up for. */
 static inline int64_t tiles_per_chunk(int64_t tiles) {
@@ -677,9 +774,20 @@ static inline int64_t tiles_per_chunk(int64_t tiles) {
 }
 #endif
 
+/* Which tile product ts_q4_matmul / ts_q8_matmul run: 2 AMX, 1 AVX512-BF16, 0 none (the calls
+ * then do nothing: the caller must not use them). Asks the OS for AMX tile data first. */
+int ts_tile_isa(void) {
+    if (ts_amx_init()) return 2;
+#if defined(TS_DPBF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
                   const float *shifted_min, const bf16 *bias, int64_t n_out, bf16 *y) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_DPBF16)
     const int64_t tiles = n_out / TILE_N, groups = k / GROUP_K;
     float *xsum = (float *)malloc((size_t)(rows * groups) * sizeof(float));
     for (int64_t r = 0; r < rows; r++)
@@ -702,7 +810,7 @@ void ts_q4_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed,
  * not kept), and the tile product summed over all groups in float32 with no per-group epilogue.
  * For many rows (a prompt chunk) this is ~2x ts_q4_matmul's speed and on a par with oneDNN's bf16
  * GEMM; decode rows keep the exact kernel. min is unshifted here. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_AMX)
 static inline void widen_q4_group_dense(const uint8_t *w, const float *scale, const float *min, bf16 *b_tile) {
     const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
@@ -723,7 +831,7 @@ static inline void widen_q4_group_dense(const uint8_t *w, const float *scale, co
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_AMX)
 typedef struct {
     const bf16 *x;
     int64_t rows, k, n_out, tiles;
@@ -781,7 +889,7 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
 
 void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
                           const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_AMX)
     const int64_t tiles = n_out / TILE_N;
     const prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y};
     parallel_chunks(prefill_chunk, &job, (tiles + 1) / 2);
@@ -795,7 +903,7 @@ void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t 
  * k = 32 g + 2 i + e (the tile's pair layout). scale float32 [n_out / 16, k / 32, 16]. */
 void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, const float *scale,
                   int64_t n_out, float *y) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_DPBF16)
     const int64_t tiles = n_out / TILE_N, per = tiles_per_chunk(tiles);
     const tile_job job = {x, rows, k, n_out, per, tiles, packed, scale, NULL, NULL, NULL, y};
     parallel_chunks(tile_chunk, &job, chunk_count(tiles, per));
@@ -841,7 +949,7 @@ static void attention_chunk(const void *arg, int64_t s) {
     const bf16 *qs = j->q + s * j->q_stride;
     const int64_t *table = j->block_tables + s * j->table_width;
     bf16 *os = j->out + s * hd;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(TS_AMX)
     if (attend_one_amx(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, dim,
                                        j->block_size, j->scale, scores, acc))
         return;

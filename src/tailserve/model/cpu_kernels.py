@@ -28,7 +28,7 @@ from tailserve.model.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 2
+ABI_VERSION = 3
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 # Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
@@ -85,11 +85,11 @@ def _target(cc: str) -> Path:
 
 def identity() -> str:
     """Which kernels run here, for cache keys of measurements (the quality gate): the build's hash
-    and whether AMX runs, or "off"."""
+    and the tile product its int matmuls run on (AMX or AVX512-BF16), or "off"."""
     lib = load()
     if lib is None:
         return "off"
-    return f"{Path(lib._name).stem}{'+amx' if amx() is not None else ''}"
+    return f"{Path(lib._name).stem}{TILE_ISA_SUFFIX[tile_isa()]}"
 
 
 @cache
@@ -118,6 +118,7 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = args
         fn.restype = None
     lib.ts_amx_init.restype = ctypes.c_int
+    lib.ts_tile_isa.restype = ctypes.c_int
     lib.ts_set_threads.argtypes = [ctypes.c_int]
     lib.ts_set_threads.restype = ctypes.c_int
     lib.ts_threads.restype = ctypes.c_int
@@ -135,13 +136,26 @@ def sync_threads() -> int:
     return have if have == want else int(lib.ts_set_threads(want))
 
 
+TILE_ISA_SUFFIX = ("", "+avx512bf16", "+amx")  # by ts_tile_isa: none, AVX512-BF16, AMX
+
+
 @cache
-def amx() -> ctypes.CDLL | None:
-    """The kernels if their AMX matmuls can run here (built with AMX, and the OS granted tile data)."""
+def tile_isa() -> int:
+    """What the int matmuls (ts_q4_matmul, ts_q8_matmul) run on here: 2 AMX (built with it, and the
+    OS granted tile data), 1 AVX512-BF16 dot products (e.g. AMD Zen 4), 0 neither (they cannot run)."""
     lib = load()
-    if lib is None or not lib.ts_amx_init():
-        return None
-    return lib
+    return 0 if lib is None else int(lib.ts_tile_isa())
+
+
+def amx() -> ctypes.CDLL | None:
+    """The kernels if their AMX matmuls can run here: what prompt rows on int4 (ts_q4_prefill_matmul)
+    need; the decode and head int matmuls need only `tile_matmuls`."""
+    return load() if tile_isa() == 2 else None
+
+
+def tile_matmuls() -> ctypes.CDLL | None:
+    """The kernels if their int4 layer and Q8_0 head matmuls run here (on AMX or AVX512-BF16)."""
+    return load() if tile_isa() > 0 else None
 
 
 def _cpu_flags() -> str:

@@ -36,8 +36,8 @@ PLANS = {
     # The head is bf16 (it shares the embedding table): int8 is faster for 1-4 rows but 1.8x slower
     # at 16, and 4 bits there cost far more quality than they save (docs/ENGINE.md, CPU fast path).
     # With the fused CPU kernels' AMX matmuls, prompt rows widen the same int4 groups to bf16 on the
-    # fly (no dense copy kept) and the head is q8: the file's Q8_0 groups, float32 sums. Where AMX
-    # is missing, plan_for makes both bf16.
+    # fly (no dense copy kept); with AMX or AVX512-BF16 the head is q8: the file's Q8_0 groups,
+    # float32 sums. Where those are missing, plan_for makes them bf16.
     "int4": FormatPlan(decode="int4", prefill="int4", head="q8"),
     "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
 }
@@ -67,8 +67,10 @@ def plan_for(
     """
     plan = PLANS[resolve_format(weight_format, device)]
     head, prefill = head or plan.head, plan.prefill
-    if device.type != "cpu" or cpu_kernels.amx() is None:
+    cpu = device.type == "cpu"
+    if not cpu or cpu_kernels.tile_matmuls() is None:
         head = "bf16" if head == "q8" else head
+    if not cpu or cpu_kernels.amx() is None:
         prefill = "bf16" if prefill == "int4" else prefill
     return FormatPlan(plan.decode, prefill, head, dense_decode_from_rows)
 

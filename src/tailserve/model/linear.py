@@ -87,16 +87,17 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = None
         if not amx_prefill:
             self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
-        # int4 runs on the fused kernels' AMX matmul where it can (exact to the groups' float32
-        # scales), else on torch's int4 kernel (scales rounded to bf16). One of the two is kept.
+        # int4 runs on the fused kernels' tile matmul where it can (AMX or AVX512-BF16; exact to the
+        # groups' float32 scales), else on torch's int4 kernel (scales rounded to bf16). One of the
+        # two is kept.
         self.amx4: AmxInt4 | None = None
         self.int4: PackedInt4 | None = None
         if decode == "int4":
             groups = source.int4_groups()
-            lib = cpu_kernels.amx()
+            lib = cpu_kernels.tile_matmuls()
             self.amx4 = None if lib is None else pack_amx_int4(groups, lib, bias)
             self.int4 = pack_int4(groups) if self.amx4 is None else None
-        if amx_prefill and self.amx4 is None:
+        if amx_prefill and (self.amx4 is None or cpu_kernels.amx() is None):
             raise ValueError("prefill int4 needs the fused CPU kernels with AMX")
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
         self.bias = (

@@ -176,7 +176,7 @@ class LMHead(nn.Module):
     0.125, enough to tie or swap the two best tokens. So the `REFINE_TOP` best of every row are
     re-scored in float32 from the bf16 weight rows (`refine_with`), a few thousand multiply-adds.
     `q8` (int8 codes, a float32 scale per 32 inputs: GGUF Q8_0 exactly) runs on the fused CPU
-    kernels' AMX matmul, which sums and returns float32: nothing to re-score.
+    kernels' tile matmul (AMX or AVX512-BF16), which sums and returns float32: nothing to re-score.
     """
 
     REFINE_TOP = 16
@@ -197,10 +197,10 @@ class LMHead(nn.Module):
         self.packed: PackedInt4 | PackedInt8 | None = None
         self.amx8: AmxInt8 | None = None
         if kernel == "q8":
-            lib = cpu_kernels.amx()
+            lib = cpu_kernels.tile_matmuls()
             groups = int8_groups if int8_groups is not None else int8_groups_from_float(weight)
             if lib is None:
-                raise ValueError("the q8 LM head needs the fused CPU kernels with AMX")
+                raise ValueError("the q8 LM head needs the fused CPU kernels with AMX or AVX512-BF16")
             self.amx8 = pack_amx_int8(groups, lib)
             refine_with = None
         elif kernel in ("fp32", "bf16"):
