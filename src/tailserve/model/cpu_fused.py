@@ -4,9 +4,11 @@ A decode step of the 30-layer default model ran ~80 torch ops per layer, ~14 ms 
 overhead against ~11 ms of int4 matmuls. Here each layer is: norm (fused into the previous residual
 add), qkv matmul, RoPE + KV write in place, paged decode attention read straight from the cache, o
 matmul, residual add + norm, gate|up matmul, SiLU x up, down matmul, residual add + the next
-layer's norm. Prompt rows take the same kernels except attention, which stays torch's flash SDPA
-(`TorchPagedAttention.prefill_span`). Same weights and formats as the torch path; every kernel is
-row-wise, so a row's result does not depend on its batch.
+layer's norm. Prompt rows take the same kernels, attention included: once RoPE has written a chunk's
+K/V into the cache, prompt row i at position p is one query over the cache's first p + 1 positions,
+so the decode kernel runs it with that length (causal by construction, over a cached prefix or not;
+2-2.7x faster than torch's flash SDPA for 50-375 rows on a 2-core Zen 4, exact softmax). Same weights
+and formats as the torch path; every kernel is row-wise, so a row's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from tailserve.model.attention import AttentionMetadata, TorchPagedAttention
+from tailserve.model.attention import AttentionMetadata
 from tailserve.model.cpu_kernels import ptr
 
 if TYPE_CHECKING:
@@ -83,6 +85,7 @@ class FusedCpuForward:
             tables = tables.contiguous()
         cos_p, sin_p, pos_p, slot_p = ptr(self.cos_half), ptr(self.sin_half), ptr(positions), ptr(slots)
         h_p, x_p = ptr(h), ptr(x)
+        prompts = self._prompt_queries(meta)
         q_size, inter = self.q_size, self.inter
         for i, layer in enumerate(layers):
             k_cache, v_cache = kv_caches[i]
@@ -96,8 +99,11 @@ class FusedCpuForward:
                     ptr(qkv), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(tables), tables.stride(0),
                     ptr(lens), ptr(attn), d, heads, kv_heads, hd, meta.block_size, self.scale,
                 )  # fmt: skip
-            if meta.prefills:
-                self._prefill_attention(qkv, attn, k_cache, v_cache, meta)
+            for q_start, rows, prompt_table, prompt_lens in prompts:
+                lib.ts_paged_decode_attention(
+                    ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), 0,
+                    ptr(prompt_lens), ptr(attn[q_start:]), rows, heads, kv_heads, hd, meta.block_size, self.scale,
+                )  # fmt: skip
             o = self._reduce(layer.o(attn.view(t, q_size), d))
             lib.ts_add_rms_norm(h_p, ptr(o), o.stride(0), ptr(layer.post_norm), x_p, t, dim, eps)
             gu = layer.gate_up(x, d).contiguous()
@@ -116,21 +122,14 @@ class FusedCpuForward:
             return partial
         return self.model.tp.all_reduce(partial).to(torch.bfloat16)
 
-    def _prefill_attention(
-        self,
-        qkv: torch.Tensor,
-        attn: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        """Prompt chunks through torch's flash SDPA, on q and k already rotated (and K/V already cached)."""
-        t, hd, kv = qkv.shape[0], self.head_dim, self.kv_heads * self.head_dim
-        q = qkv[:, : self.q_size].view(t, self.heads, hd)
-        k = qkv[:, self.q_size : self.q_size + kv].view(t, self.kv_heads, hd)
-        v = qkv[:, self.q_size + kv :].view(t, self.kv_heads, hd)
-        for span in meta.prefills:
-            rows = slice(span.q_start, span.q_start + span.q_len)
-            attn[rows] = TorchPagedAttention.prefill_span(
-                q[rows], k[rows], v[rows], k_cache, v_cache, span, meta.block_size, self.scale
-            )
+    @staticmethod
+    def _prompt_queries(meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per prompt chunk: its first row, its rows, its sequence's block table and each row's
+        context length (position + 1): the decode kernel's arguments, one table shared by every row
+        (row stride 0). Prompt chunk i is the step's sequence num_decodes + i."""
+        prompts = []
+        for i, span in enumerate(meta.prefills):
+            table = meta.block_tables[meta.num_decodes + i].contiguous()
+            lens = torch.arange(span.start_pos + 1, span.start_pos + span.q_len + 1, dtype=torch.long)
+            prompts.append((span.q_start, span.q_len, table, lens))
+        return prompts
