@@ -226,7 +226,9 @@ class LMHead(nn.Module):
             return logits
         top = logits.topk(self.REFINE_TOP, dim=-1).indices  # [R, k]
         rows = self.refine_with[top].float()  # [R, k, hidden]
-        exact = torch.bmm(rows, h.float().unsqueeze(-1)).squeeze(-1)
+        # A product and a sum over hidden, not bmm: bmm picks its kernel by the batch (one row vs
+        # several), so a row's score would depend on who shares the step (seen on Zen 4).
+        exact = (rows * h.float().unsqueeze(1)).sum(-1)
         return logits.scatter_(1, top, exact)
 
 
