@@ -138,6 +138,23 @@ def test_decode_rows_take_the_decode_kernel_and_ignore_their_neighbours() -> Non
                 assert torch.equal(out[i : i + 1], want), (rows, i)
 
 
+def test_prompt_rows_on_prepacked_weights_equal_the_plain_gemm_and_ignore_their_batch() -> None:
+    """`pack_for_cpu` (oneDNN's blocked layout, what the fused CPU forward uses): prompt rows within
+    bf16 of F.linear on the plain weight, and a row's bits do not depend on the rows around it."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        pytest.skip("torch built without oneDNN: the plain GEMM runs")
+    t = _blocks("Q4_1", 96, 576, seed=11)
+    layer = Linear(WeightSource(dequantize_tensor(t), int4_from_blocks(t)), None, "int4", "bf16")
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    plain = torch.nn.functional.linear(x, layer.weight)
+    layer.pack_for_cpu()
+    assert layer.onednn is not None
+    full = layer.prefill_matmul(x)
+    _assert_within_bf16(full, plain.float())
+    for start, rows in ((0, 1), (0, 2), (5, 17), (40, 64), (0, 256), (100, 199)):
+        assert torch.equal(layer.prefill_matmul(x[start : start + rows]), full[start : start + rows])
+
+
 def test_real_model_int4_groups_are_exactly_its_weights(smol: LoadedModel) -> None:
     """Every Q4_1 tensor of the default model (Q/K rows already back in HF order) becomes int4 groups
     that stand for exactly the dequantized fp32 weight: no re-quantization anywhere."""

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from tailserve.model.transformer import DecoderLayer, TransformerLM
 
 MAX_GROUP = 64  # query heads per kv head the attention kernel keeps per-head sums for
+# Bumped when what this forward computes changes (so the quality gate re-measures): 2 = prompt
+# attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN.
+FORWARD_REVISION = 2
 
 
 def supports(model: TransformerLM, kv_dtype: torch.dtype) -> bool:

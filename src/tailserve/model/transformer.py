@@ -147,6 +147,9 @@ class DecoderLayer(nn.Module):
         out: torch.Tensor = h + self.reduce(self.down(F.silu(gate) * up, d))
         return out
 
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
+
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel linear's output summed over ranks (float32); as is without TP."""
         return partial if self.tp is None else self.tp.all_reduce(partial)
@@ -310,6 +313,10 @@ class TransformerLM(nn.Module):
 
         lib = cpu_kernels.load() if cpu_fused.supports(self, kv_dtype) else None
         self.fused = None if lib is None else cpu_fused.FusedCpuForward(self, lib)
+        if self.fused is not None:
+            for layer in self.layers:
+                for linear in cast(DecoderLayer, layer).linears():
+                    linear.pack_for_cpu()
         return self.fused is not None
 
     @property
