@@ -17,7 +17,7 @@ from machine import read_cpu_log
 from compare import plots
 from compare.analyze import Calibration, interval, metric_values, read_rows, tail_steal
 from compare.plan import scaled_workloads
-from compare.run import EDF_LABEL, GIL05_LABEL, OTHER_SERVERS, REFERENCE, SERVERS
+from compare.run import OTHER_SERVERS, REFERENCE, SERVERS, TS_VARIANTS
 from compare.stats import MET, MISSED, NOT_ENOUGH, Interval, at_most, compare
 from compare.store import Store
 
@@ -32,8 +32,7 @@ LABELS = {
     "hf-cb": "transformers serve --cb",
     "hf": "transformers serve",
     "ts-slo-gil5": "tailserve (slo, GIL switch 5 ms)",  # saved by the A/B when the default was 0.5 ms
-    "ts-slo-gil05": GIL05_LABEL,
-    "ts-slo-edf": EDF_LABEL,
+    **{key: label for key, (_, label) in TS_VARIANTS.items()},
 }
 
 

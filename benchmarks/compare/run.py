@@ -41,14 +41,16 @@ from compare.store import Store
 
 REFERENCE = "ts-slo"  # its capacity sets the shared reference rate, so it is measured first
 SERVERS = ("ts-slo", "ts-fcfs", "vllm", "llamacpp", "hf-cb")  # the order they run in
-OTHER_SERVERS = ("llamacpp-1t", "hf", "ts-slo-gil05", "ts-slo-edf")  # known, not run unless asked
-GIL05_LABEL = "tailserve (slo, GIL switch 0.5 ms)"  # the A/B of --switch-interval-ms (default 5)
-EDF_LABEL = "tailserve (slo, deadline order)"  # the A/B of --urgent-slack (default 0.25)
 # tailserve (slo) variants for A/Bs: key -> (extra flags, label)
 TS_VARIANTS = {
-    "ts-slo-gil05": (("--switch-interval-ms", "0.5"), GIL05_LABEL),
-    "ts-slo-edf": (("--urgent-slack", "1"), EDF_LABEL),
+    # the A/B of --switch-interval-ms (default 5)
+    "ts-slo-gil05": (("--switch-interval-ms", "0.5"), "tailserve (slo, GIL switch 0.5 ms)"),
+    # the A/B of --urgent-slack (default 0.25)
+    "ts-slo-edf": (("--urgent-slack", "1"), "tailserve (slo, deadline order)"),
+    # the A/B of the TPOT cap on prefill: --prefill-floor 1 keeps every step's whole budget for prompts
+    "ts-slo-nocap": (("--prefill-floor", "1"), "tailserve (slo, no TPOT cap on prefill)"),
 }
+OTHER_SERVERS = ("llamacpp-1t", "hf", *TS_VARIANTS)  # known, not run unless asked
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt
 CALIBRATION_OUTPUT = 32
 
