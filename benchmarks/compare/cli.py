@@ -185,7 +185,9 @@ def frozen_slo(
 def record_invocation(
     store: Store, argv: Sequence[str] | None, args: argparse.Namespace, sizes: planning.Sizes
 ) -> None:
-    doc = store.load("run") or {"invocations": []}
+    doc = store.load("run")
+    if doc is None:  # a new folder: its capacity probes share one prompt sequence (run.Context)
+        doc = {"invocations": [], "probe_prompts": "common"}
     doc["invocations"].append(
         {
             "command": shlex.join(
@@ -201,6 +203,7 @@ def record_invocation(
     doc.setdefault("threads", args.threads)
     doc.setdefault("seed", args.seed)
     doc.setdefault("length_scale", args.length_scale or 1.0)
+    doc.setdefault("probe_prompts", "own")  # a folder from before: its probes drew their own
     doc["quick"] = args.quick
     store.save(doc, "run")
 
@@ -272,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         envs.ensure_peers_venv()
     if "vllm" in keys + soaked:
         envs.ensure_vllm_venv()
-    ctx = Context(store, sizes, args.seed, Limits(threads=args.threads), envs.gguf_path())
+    common = (store.load("run") or {}).get("probe_prompts") == "common"
+    ctx = Context(store, sizes, args.seed, Limits(threads=args.threads), envs.gguf_path(), common)
     store.log(
         f"results in {store.root}; servers {', '.join(soaked or keys)}; lengths x{scale:g}; sizes {sizes}"
     )

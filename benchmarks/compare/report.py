@@ -53,7 +53,8 @@ Rerunning a command with the same `--out` resumes: every (server, workload, poin
 completes and never run again; the SLO of each workload is frozen in the folder once set. Phase 1
 calibrates every server on both workloads (`tailserve bench`'s calibration phase: idle TTFT at 7
 quantiles of the prompt lengths, a line fitted); phase 2 searches each server's capacity (probes of
-368 measured requests: ramp x2 from twice one stream's service rate, then bisection to 15%) and runs
+368 measured requests: ramp x2 from twice one stream's service rate, then bisection to 15%; in a new
+folder every probe of every server sends the same prompt sequence at its own rate) and runs
 its rate points (368 measured requests each: 80% of capacity, 2x, 1.5x, the shared reference rate,
 half of capacity) within a budget of 3 h per server and workload (`--budget-h`; the points left out
 are listed with the time they would have taken). A probe or point takes requests / rate seconds, so
@@ -660,6 +661,14 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
         "of the bound, **not enough data** when it straddles it or is open",
         "- capacity: the highest probed rate whose P99 TTFT and P99 TPOT have the *upper ends* of their intervals "
         "within the SLO, with at most 1% errors (429s count): conservative, it understates every server alike",
+        (
+            "- capacity probes: one prompt sequence for every probe of every server (common random numbers; "
+            "a workload with the prefix cache on draws each probe's own), sent faster or slower, so a "
+            "collision of long prompts that fails one server's probe is in every other server's probes too"
+            if run.get("probe_prompts") == "common"
+            else "- capacity probes: each draws its own prompt sequence (seeded by its name; a folder from "
+            "before common probe prompts), so two servers' probes at different rates met different collisions"
+        ),
         "",
     ]
     svgs: list[tuple[str, str]] = []

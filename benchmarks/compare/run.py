@@ -64,6 +64,19 @@ class Context:
     seed: int
     limits: Limits
     gguf: Path
+    # Every capacity probe of every server sends one prompt sequence (seed COMMON_PROBE_PROMPTS),
+    # only faster or slower: a collision of long prompts then falls on every probe and server alike
+    # (common random numbers). Not for a workload with the prefix cache on, whose next probe would
+    # find its prompts cached; False in folders whose probes each drew their own (older runs).
+    common_probes: bool = False
+
+
+COMMON_PROBE_PROMPTS = "probe"
+
+
+def prompts_of(doc: dict[str, Any]) -> str:
+    """The name whose seed drew a saved point's prompts (its own name unless it says otherwise)."""
+    return str(doc.get("prompts_of") or doc.get("replay_of") or doc["name"])
 
 
 def server_spec(
@@ -265,11 +278,11 @@ def calibration_of(doc: dict[str, Any]) -> Calibration:
 def run_point(
     ctx: Context, spec: ServerSpec, url: str, workload: Workload, slo: Slo, cal: Calibration,
     name: str, rate: float, requests: int, why: str, replay_of: str | None = None,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None, prompts: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """One rate point or probe: run, analyse, save (unless saved already). `replay_of`: the name of
-    the point whose prompts it sends (its seed), when that is not its own name; `extra`: fields saved
-    with it."""
+    the point it replays; `prompts`: the name whose seed draws its prompts, when that is not its own
+    (default: `replay_of`'s); `extra`: fields saved with it."""
     store = ctx.store
     if (saved := store.load(spec.key, workload.name, name)) is not None:
         return saved
@@ -283,7 +296,7 @@ def run_point(
         name,
         open_loop(workload, rate, ctx.sizes, requests),
         slo,
-        seed_name=replay_of,
+        seed_name=prompts or replay_of,
     )
     figures = analyze(rows, result, slo, cal)
     ok, reason = passes(figures, slo, conservative=ctx.sizes.conservative)
@@ -291,6 +304,8 @@ def run_point(
            "figures": figures, "run": record, "client": (result or {}).get("client")}  # fmt: skip
     if replay_of:
         doc["replay_of"] = replay_of
+    if prompts or replay_of:
+        doc["prompts_of"] = prompts or replay_of
     doc.update(extra or {})
     store.save(doc, spec.key, workload.name, name)
     store.log(f"{spec.key}/{workload.name}: {name} {'pass' if ok else 'FAIL: ' + reason}")
@@ -324,9 +339,9 @@ def search(
                 f"search stopped: a probe at {rate:g} req/s would take ~{cost / 60:.0f} min, past the budget",
             )
         name = f"probe-{len(probes) + 1:02d}"
-        doc = run_point(
-            ctx, spec, url, workload, slo, cal, name, rate, sizes.probe_requests, "capacity probe"
-        )
+        common = COMMON_PROBE_PROMPTS if ctx.common_probes and not workload.prefix_caching else None
+        doc = run_point(ctx, spec, url, workload, slo, cal, name, rate, sizes.probe_requests,
+                        "capacity probe", prompts=common)  # fmt: skip
         probes.append((rate, bool(doc["passed"])))
         spent += doc["run"]["wall_s"]
     return probes, spent, ""
@@ -424,7 +439,7 @@ def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, na
         for p in todo:
             run_point(ctx, spec, server.url, workload, slo, calibration_of(cal_doc), replay_name(source, p["name"]),
                       p["rate"], sizes.probe_requests, f"{source}'s {p['name']} replayed (same rate, same prompts)",
-                      replay_of=p["name"])  # fmt: skip
+                      replay_of=p["name"], prompts=prompts_of(p))  # fmt: skip
 
 
 def rounds_name(source: str, probe: str, round_no: int) -> str:
@@ -483,7 +498,7 @@ def interleave(
             name = rounds_name(source, probe["name"], round_no)
             run_point(ctx, spec, url, workload, slo, calibration_of(cal), name, probe["rate"],
                       ctx.sizes.probe_requests, f"{source}'s {probe['name']}, interleaved round {round_no}",
-                      replay_of=probe["name"], extra={"rounds_of": source, "round": round_no,
+                      replay_of=probe["name"], prompts=prompts_of(probe), extra={"rounds_of": source, "round": round_no,
                       "idle_draw": idle_draw, "servers_up": sorted(urls)})  # fmt: skip
 
 

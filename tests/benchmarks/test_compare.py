@@ -104,6 +104,48 @@ def test_capacity_search_steps_down_when_the_start_fails_and_gives_up() -> None:
     assert plan.capacity_bracket(probes) == (0.0, 0.125)
 
 
+@pytest.mark.parametrize("common", [True, False])
+def test_common_probe_prompts_every_probe_sends_one_sequence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, common: bool
+) -> None:
+    """In a folder with common probe prompts every capacity probe of every server sends the same
+    prompts (one bench seed); in an older folder each probe draws its own. A multi-turn workload
+    (prefix cache on) always draws its own, or its next probe would find its prompts cached."""
+    from compare import run
+
+    seeds: dict[tuple[str, str], int] = {}
+
+    def fake_bench(ctx: Any, spec: Any, url: str, workload: Any, name: str, args: list[str], slo: Any,
+                   deadline_s: float | None = None, seed_name: str | None = None) -> Any:  # fmt: skip
+        seeds[(spec.key, name)] = run.point_seed(ctx.seed, seed_name or name)
+        rate = float(args[args.index("--rate") + 1])
+        ttft = 0.5 if rate <= 1.3 else 3.0  # capacity 1.3 req/s under SLO's 2 s
+        rows = [row(i, ttft=ttft) for i in range(40)]
+        return {"metrics": {}}, rows, {"wall_s": 1.0}
+
+    monkeypatch.setattr(run, "bench", fake_bench)
+    ctx = Context(Store(tmp_path), plan.QUICK, 7, None, tmp_path, common)  # type: ignore[arg-type]
+    cal_doc = {"intercept_s": 0.1, "per_token_s": 0.001, "idle_tpot_s": 0.05, "points": [],
+               "idle_ttft_longest_s": 1.0}  # fmt: skip
+
+    class Spec:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    for key in ("ts-slo", "vllm"):
+        probes, _, note = run.search(ctx, Spec(key), "", plan.LONGTAIL, SLO, cal_doc, 20.0, 0.0)  # type: ignore[arg-type]
+        assert len(probes) >= 2 and not note
+    if common:
+        assert len(set(seeds.values())) == 1  # every probe, both servers
+        saved = ctx.store.points("vllm", "longtail", "probe-")
+        assert {run.prompts_of(p) for p in saved} == {run.COMMON_PROBE_PROMPTS}  # a replay sends them too
+    else:
+        assert len(set(seeds.values())) == len({name for _, name in seeds})  # one per probe name
+    seeds.clear()
+    run.search(ctx, Spec("ts-slo"), "", plan.WORKLOADS["multiturn"], SLO, cal_doc, 20.0, 0.0)  # type: ignore[arg-type]
+    assert len(set(seeds.values())) == len(seeds) >= 2
+
+
 def test_slow_server_gets_fewer_points_never_fewer_requests() -> None:
     sizes = plan.Sizes(368, 368, 20, 3, budget_s=3600)
     fast, fast_dropped = plan.rate_points(4.0, 2.4, sizes, drain_s=5, spent_s=600)
@@ -328,6 +370,11 @@ def test_length_scale_keeps_the_shapes_and_is_frozen_in_the_folder(tmp_path: Pat
     assert length_scale(store, args) == 0.5
     record_invocation(store, [], args, plan.QUICK)
     assert length_scale(store, parse_args([])) == 0.5  # a resumed run keeps the folder's lengths
+    assert (store.load("run") or {})["probe_prompts"] == "common"  # a new folder's probes share prompts
+    older = Store(tmp_path / "older")
+    older.save({"invocations": []}, "run")  # a folder from before common probe prompts
+    record_invocation(older, [], args, plan.QUICK)
+    assert (older.load("run") or {})["probe_prompts"] == "own"
     with pytest.raises(SystemExit, match="x0.5"):
         length_scale(store, parse_args(["--length-scale", "1"]))
     assert "x0.5" in report.render(store)[0]
