@@ -119,9 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--replay",
-        metavar="KEY[:PROBE,...]",
-        help="instead of searching, run --servers at the rates of KEY's saved probes (all, or those "
-        "named) with the same prompts; KEY itself only when it is the one server named (a rerun in a "
+        metavar="KEY[:NAME,...]",
+        help="instead of searching, run --servers at the rates of KEY's saved probes (all, or the saved "
+        "runs named: probe-02, at-0.8x, ...) with the same prompts; KEY itself only when it is the one server named (a rerun in a "
         "fresh process)",
     )
     p.add_argument(

@@ -68,8 +68,9 @@ in minutes; its numbers carry no verdict.
 When the hours are not there: `--length-scale F` multiplies every prompt and output length (frozen
 in the folder by its first run; x0.25 makes a 368-request probe 2-16 minutes here),
 `--search-only` runs the capacity searches and leaves every rate point out (listed as such), and
-`--replay KEY[:probe-01,...]` runs `--servers` at the rates of KEY's saved probes with the same
-prompts (saved as `replay-KEY-PROBE`, set beside KEY's in the report); with `--rounds N` it runs
+`--replay KEY[:probe-01,at-0.8x,...]` runs `--servers` at the rates of KEY's saved probes (or of the
+saved runs named) with the same prompts (saved as `replay-KEY-NAME`, set beside KEY's in the
+report); with `--rounds N` it runs
 interleaved repeats instead: every server named, KEY included, up at once, and each probe run N times
 on each in alternating order (A B, B A, ...), so the machine's drift falls on all of them alike; a
 verdict between two servers then needs the same answer in every round. Every bench run records the
@@ -251,11 +252,16 @@ def probe_rows(store: Store, workload: str) -> list[str]:
 def same_prompts_table(store: Store, workload: str) -> list[str]:
     """Probes that another server replayed (`--replay`: same name, rate and prompts), each P99 beside
     tailserve (slo)'s with `compare` on the intervals (lower / higher only when they are apart)."""
-    ours = {p.get("name"): p for p in store.points(REFERENCE, workload, "probe-")}
-    names = (("ttft_s", 1.0, "P99 TTFT s"), ("tpot_s", 1000.0, "P99 TPOT ms"), ("queue_delay_s", 1.0, "P99 queue delay s"),
-             ("slowdown", 1.0, "P99 slowdown"))  # fmt: skip
+    ours = {
+        p.get("name"): p
+        for kind in ("probe-", "at-", "over-")
+        for p in store.points(REFERENCE, workload, kind)
+    }
+    names = (("ttft_s", 1.0, "P99 TTFT s", "p99"), ("tpot_s", 1000.0, "P99 TPOT ms", "p99"),
+             ("tpot_s", 1.0, "TPOT P99/mean", "p99_over_mean"), ("queue_delay_s", 1.0, "P99 queue delay s", "p99"),
+             ("slowdown", 1.0, "P99 slowdown", "p99"), ("slowdown", 1.0, "slowdown P99/mean", "p99_over_mean"))  # fmt: skip
     lines = [
-        "| probe | req/s | server | " + " | ".join(label for _, _, label in names) + " | goodput req/s |",
+        "| run | req/s | server | " + " | ".join(label for _, _, label, _ in names) + " | goodput req/s |",
         "| --- | ---: | --- |" + " ---: |" * (len(names) + 1),
     ]
     found = False
@@ -268,9 +274,10 @@ def same_prompts_table(store: Store, workload: str) -> list[str]:
             label = f"{LABELS[key]}, rerun" if key == REFERENCE else LABELS[key]
             for row, (who, doc) in enumerate(((LABELS[REFERENCE], mine_ref), (label, p))):
                 cells = []
-                for name, scale, _ in names:
-                    mine = metric(doc, name)
-                    verdict = f" ({compare(interval(mine), interval(metric(mine_ref, name)))})" if row else ""
+                for name, scale, _, field in names:
+                    mine = metric(doc, name, field)
+                    theirs = metric(mine_ref, name, field)
+                    verdict = f" ({compare(interval(mine), interval(theirs))})" if row else ""
                     cells.append(ci(mine, scale, 0 if scale > 1 else 2) + verdict)
                 lines.append(
                     f"| {p['replay_of']} | {p['rate']:g} | {who} | {' | '.join(cells)} "
@@ -701,7 +708,7 @@ def render(store: Store) -> tuple[str, list[tuple[str, str]]]:
             "### Every capacity probe (each a full run; highest rate first)",
             *probe_rows(store, name),
             "",
-            "### Same rate, same prompts (probes of tailserve (slo) replayed on another server)",
+            "### Same rate, same prompts (runs of tailserve (slo), probes or rate points, replayed on another server)",
             *same_prompts_table(store, name),
             "",
             "### Interleaved rounds (servers up together, runs alternating A B, B A, ...)",

@@ -418,13 +418,22 @@ def replay_name(source: str, probe: str) -> str:
     return f"replay-{source}-{probe}"
 
 
+def source_points(store: Store, source: str, workload: str, names: list[str]) -> list[dict[str, Any]]:
+    """What a replay runs again: `source`'s saved probes, or the saved runs named (probes or rate
+    points such as at-0.8x: anything saved with a rate)."""
+    if not names:
+        return store.points(source, workload, "probe-")
+    docs = [store.load(source, workload, n) for n in names]
+    return [d for d in docs if d is not None and "rate" in d and "figures" in d]
+
+
 def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, names: list[str]) -> None:
-    """Run server `key` at the rates of `source`'s saved probes (all of them, or `names`) with the
-    same prompts (their seeds): two servers measured on the same offered load, request for request.
+    """Run server `key` at the rates of `source`'s saved probes (all of them, or the saved runs in
+    `names`, rate points too) with the same prompts (their seeds): two servers measured on the same offered load, request for request.
     Saved as `replay-SOURCE-PROBE`, apart from the server's own probes (its search never reads them)."""
     store, sizes = ctx.store, ctx.sizes
     cal_doc = store.load(key, workload.name, "calibration")
-    probes = [p for p in store.points(source, workload.name, "probe-") if not names or p["name"] in names]
+    probes = source_points(store, source, workload.name, names)
     todo = [p for p in probes if not store.has(key, workload.name, replay_name(source, p["name"]))]
     if cal_doc is None or not todo:
         store.log(
@@ -451,7 +460,7 @@ def rounds_todo(
 ) -> list[tuple[int, dict[str, Any], str]]:
     """The interleaved runs not saved yet, in the order they run: per probe of `source` (all, or
     `names`), round 1 in the order of `keys`, round 2 reversed, and so on: (round, probe, server)."""
-    probes = [p for p in store.points(source, workload, "probe-") if not names or p["name"] in names]
+    probes = source_points(store, source, workload, names)
     return [
         (r, p, k)
         for p in probes

@@ -242,6 +242,20 @@ def test_a_finished_server_is_not_started_again(tmp_path: Path) -> None:
     assert measure(ctx, "vllm", plan.LONGTAIL, SLO, None, 20.0) == 0.75
 
 
+def test_a_replay_can_name_a_rate_point_of_the_source(tmp_path: Path) -> None:
+    """`--replay ts-slo:at-0.8x` sends that point's rate and prompts (a probe or any saved run)."""
+    from compare.run import prompts_of, source_points
+
+    store = Store(tmp_path)
+    store.save({"name": "probe-01", "rate": 3.2, "passed": False, "figures": {}}, "ts-slo", "longtail", "probe-01")
+    store.save({"name": "at-0.8x", "rate": 2.2, "passed": True, "figures": {}}, "ts-slo", "longtail", "at-0.8x")
+    store.save({"capacity": 2.75, "complete": True}, "ts-slo", "longtail", "points")  # not a run
+    assert [p["name"] for p in source_points(store, "ts-slo", "longtail", [])] == ["probe-01"]
+    named = source_points(store, "ts-slo", "longtail", ["at-0.8x", "points", "missing"])
+    assert [(p["name"], p["rate"]) for p in named] == [("at-0.8x", 2.2)]
+    assert prompts_of(named[0]) == "at-0.8x"  # its own seed: the prompts it was measured on
+
+
 def test_a_replay_takes_the_source_probes_by_name_and_skips_the_saved(tmp_path: Path) -> None:
     from compare.run import replay
 
