@@ -222,3 +222,65 @@ def test_urgent_slack_turns_shortest_first_into_deadline_order() -> None:
         ahead = policy.tokens_ahead([(375, now + 0.45, 0.55)], 40, 0.55, now)
         assert ahead == (375 if slack == 1.0 else 0)
     assert orders == {0.25: ["short", "long"], 1.0: ["long", "short"]}
+
+
+def _steady_engine(steady: int, slo_ttft_s: float = 100.0) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model="dummy:tiny", device="cpu"),
+        cache=CacheConfig(kv_cache_memory_bytes=16 << 20),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=256, policy="slo", slo_ttft_s=slo_ttft_s, slo_tpot_s=100.0,
+            steady_prefill_tokens=steady,
+        ),  # fmt: skip
+    )
+    return LLMEngine(config)
+
+
+def _long_prompt_beside_a_stream(engine: LLMEngine) -> tuple[list[int], int, int]:
+    """A stream decodes, a 600-token prompt arrives, a short question arrives one step later.
+    Returns the prompt tokens each step carried, the long prompt's tokens computed before the short
+    question's first token, and the steps until the long prompt's first token."""
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    engine.add_request("stream", [3] * 8, params)
+    engine.step()
+    engine.add_request("long", [7] * 600, SamplingParams(max_tokens=4, temperature=0.0))
+    prompt_tokens: list[int] = []
+    long_before_short = long_first = -1
+    for step in range(200):
+        if step == 1:
+            engine.add_request("short", [5] * 8, SamplingParams(max_tokens=4, temperature=0.0))
+        outs = engine.step()
+        plan = engine.last_plan
+        assert plan is not None
+        prompt_tokens.append(plan.num_prefill_tokens)
+        ids = {o.request_id for o in outs}
+        sched = engine.scheduler
+        long_req = next((r for r in [*sched.running, *sched.waiting] if r.request_id == "long"), None)
+        if "short" in ids and long_before_short < 0:
+            long_before_short = long_req.num_computed_tokens if long_req else 600
+        if "long" in ids and long_first < 0:
+            long_first = step
+        if long_first >= 0 and long_before_short >= 0:
+            break
+    return prompt_tokens, long_before_short, long_first
+
+
+def test_steady_prefill_keeps_steps_short_while_nothing_is_urgent() -> None:
+    """With --steady-prefill-tokens a long prompt beside a stream moves in short steps, so a question
+    that lands behind it waits for one short step, not a 256-token chunk; it still gets through."""
+    steady_steps, steady_ahead, steady_first = _long_prompt_beside_a_stream(_steady_engine(32))
+    whole_steps, whole_ahead, whole_first = _long_prompt_beside_a_stream(_steady_engine(0))
+    assert max(steady_steps) <= 32 + 8  # a short step, plus the question's own 8 tokens
+    assert max(whole_steps) > 200  # off: the whole cap goes to the long prompt
+    assert steady_ahead <= 2 * 32 < whole_ahead  # the question waited behind a short step or two
+    assert 0 <= whole_first < steady_first  # the long prompt pays: more, shorter steps
+    assert steady_first <= 600 // 32 + 4  # but it keeps moving every step
+
+
+def test_steady_prefill_gives_way_to_an_urgent_prompt_and_to_a_lone_one() -> None:
+    lone = _steady_engine(32)
+    lone.add_request("alone", [7] * 600, SamplingParams(max_tokens=2, temperature=0.0))
+    lone.step()
+    assert lone.last_plan is not None and lone.last_plan.num_prefill_tokens == 256  # nothing waits behind it
+    urgent_steps, _, _ = _long_prompt_beside_a_stream(_steady_engine(32, slo_ttft_s=0.01))
+    assert max(urgent_steps) > 200  # its deadline is near: the whole cap is back
