@@ -49,9 +49,6 @@ TS_VARIANTS = {
     "ts-slo-edf": (("--urgent-slack", "1"), "tailserve (slo, deadline order)"),
     # the A/B of the TPOT cap on prefill: --prefill-floor 1 keeps every step's whole budget for prompts
     "ts-slo-nocap": (("--prefill-floor", "1"), "tailserve (slo, no TPOT cap on prefill)"),
-    # the A/B of --steady-prefill-tokens: short steps while no prompt is urgent
-    "ts-slo-steady32": (("--steady-prefill-tokens", "32"), "tailserve (slo, steady prefill 32)"),
-    "ts-slo-steady64": (("--steady-prefill-tokens", "64"), "tailserve (slo, steady prefill 64)"),
 }
 OTHER_SERVERS = ("llamacpp-1t", "hf", *TS_VARIANTS)  # known, not run unless asked
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt

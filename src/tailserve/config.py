@@ -118,11 +118,6 @@ class SchedulerConfig:
     # TTFT target goes earliest deadline first; above it, least prompt x target first. 1: deadline
     # order for all (the least maximum lateness); 0: Smith's rule until a prompt is past saving.
     urgent_slack: float = 0.25
-    # slo: while no prompt is urgent or past saving and other work shares the step (decodes, or
-    # another prompt waiting), a step carries at most this many prompt tokens (0: off). Short steps
-    # keep a newcomer's wait behind a long prompt and the streams' gaps short; any urgent prompt
-    # brings back the whole cap (docs/ENGINE.md).
-    steady_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -147,10 +142,6 @@ class SchedulerConfig:
         )
         _require(
             0.0 <= self.urgent_slack <= 1.0, f"--urgent-slack must be in [0, 1], got {self.urgent_slack}"
-        )
-        _require(
-            self.steady_prefill_tokens >= 0,
-            f"--steady-prefill-tokens must be 0 (off) or more, got {self.steady_prefill_tokens}",
         )
 
 

@@ -36,7 +36,6 @@ class PrefillOrder(NamedTuple):
 
     savable: list[Request]
     past_saving: list[Request]
-    urgent: bool = False  # some prompt is urgent (its slack nearly gone), past saving, or resumed
 
 
 class SchedulePolicy(Protocol):
@@ -45,8 +44,6 @@ class SchedulePolicy(Protocol):
     def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder: ...
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int: ...
-
-    def steady_cap(self, order: PrefillOrder, num_decodes: int, cap: int) -> int: ...
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int: ...
 
@@ -71,9 +68,6 @@ class FcfsPolicy:
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         return budget
-
-    def steady_cap(self, order: PrefillOrder, num_decodes: int, cap: int) -> int:
-        return cap
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
         return 0
@@ -146,21 +140,7 @@ class SloPolicy:
                 savable.append(((1, remaining * ttft_s, r.seq_no), r))
         savable.sort(key=lambda kr: kr[0])
         late.sort(key=lambda kr: kr[0])
-        urgent = bool(late) or any(key[0] == 0 for key, _ in savable)
-        return PrefillOrder([r for _, r in savable], [r for _, r in late], urgent)
-
-    def steady_cap(self, order: PrefillOrder, num_decodes: int, cap: int) -> int:
-        """This step's prefill tokens: at most --steady-prefill-tokens while no prompt is urgent and
-        other work shares the machine (decodes run, or more than one prompt waits). A long prompt then
-        moves in short steps: a newcomer waits behind one short step, not a long chunk, and streams
-        absorb its prefill in small gaps. Once any prompt is urgent the whole cap is back, so TTFT
-        deadlines (and the capacity under them) are what they were. A lone prompt on an idle server
-        takes the whole cap: nothing waits behind it."""
-        steady = self.config.steady_prefill_tokens
-        alone = num_decodes == 0 and len(order.savable) + len(order.past_saving) <= 1
-        if steady <= 0 or order.urgent or alone:
-            return cap
-        return min(cap, max(steady, self.min_chunk))
+        return PrefillOrder([r for _, r in savable], [r for _, r in late])
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
         """Prefill tokens of step `step_no` kept for requests past saving (when any wait).

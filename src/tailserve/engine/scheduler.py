@@ -82,11 +82,10 @@ class Scheduler:
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
         now = time.monotonic()
+        plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
+        left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
         order = self.policy.order_prefills(candidates, now)
-        cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
-        plan.prefill_cap = self.policy.steady_cap(order, plan.num_decodes, cap)
-        left = min(budget, plan.prefill_cap)
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
         # A late request still waiting for a sequence slot has the next free one: savable newcomers

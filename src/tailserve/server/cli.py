@@ -99,13 +99,6 @@ def register(subparsers: Any) -> None:
         help="slo: share of the step budget prefill keeps beside decodes (0: one block)",
     )
     s.add_argument(
-        "--steady-prefill-tokens",
-        type=int,
-        default=SchedulerConfig.steady_prefill_tokens,
-        help="slo: most prompt tokens a step carries while no prompt is urgent and other work waits "
-        "(short steps: short waits and even streams); 0: off",
-    )
-    s.add_argument(
         "--past-saving-share",
         type=float,
         default=0.25,
@@ -179,7 +172,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             prefill_floor=args.prefill_floor,
             past_saving_share=args.past_saving_share,
             urgent_slack=args.urgent_slack,
-            steady_prefill_tokens=args.steady_prefill_tokens,
         ),
     )
     scheduler = engine.scheduler
