@@ -247,8 +247,12 @@ def test_a_replay_can_name_a_rate_point_of_the_source(tmp_path: Path) -> None:
     from compare.run import prompts_of, source_points
 
     store = Store(tmp_path)
-    store.save({"name": "probe-01", "rate": 3.2, "passed": False, "figures": {}}, "ts-slo", "longtail", "probe-01")
-    store.save({"name": "at-0.8x", "rate": 2.2, "passed": True, "figures": {}}, "ts-slo", "longtail", "at-0.8x")
+    store.save(
+        {"name": "probe-01", "rate": 3.2, "passed": False, "figures": {}}, "ts-slo", "longtail", "probe-01"
+    )
+    store.save(
+        {"name": "at-0.8x", "rate": 2.2, "passed": True, "figures": {}}, "ts-slo", "longtail", "at-0.8x"
+    )
     store.save({"capacity": 2.75, "complete": True}, "ts-slo", "longtail", "points")  # not a run
     assert [p["name"] for p in source_points(store, "ts-slo", "longtail", [])] == ["probe-01"]
     named = source_points(store, "ts-slo", "longtail", ["at-0.8x", "points", "missing"])
