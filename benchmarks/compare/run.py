@@ -424,7 +424,7 @@ def source_points(store: Store, source: str, workload: str, names: list[str]) ->
     if not names:
         return store.points(source, workload, "probe-")
     docs = [store.load(source, workload, n) for n in names]
-    return [d for d in docs if d is not None and "rate" in d and "figures" in d]
+    return [d for d in docs if d is not None and "rate" in d and "name" in d]
 
 
 def replay(ctx: Context, key: str, workload: Workload, slo: Slo, source: str, names: list[str]) -> None:

@@ -253,7 +253,7 @@ def test_a_replay_can_name_a_rate_point_of_the_source(tmp_path: Path) -> None:
     store.save(
         {"name": "at-0.8x", "rate": 2.2, "passed": True, "figures": {}}, "ts-slo", "longtail", "at-0.8x"
     )
-    store.save({"capacity": 2.75, "complete": True}, "ts-slo", "longtail", "points")  # not a run
+    store.save({"capacity": 2.75, "complete": True}, "ts-slo", "longtail", "points")  # not a run: no rate
     assert [p["name"] for p in source_points(store, "ts-slo", "longtail", [])] == ["probe-01"]
     named = source_points(store, "ts-slo", "longtail", ["at-0.8x", "points", "missing"])
     assert [(p["name"], p["rate"]) for p in named] == [("at-0.8x", 2.2)]
