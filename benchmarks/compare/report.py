@@ -503,7 +503,7 @@ def soak_section(store: Store) -> tuple[list[str], list[tuple[str, str]]]:
             whole_tpot = interval(metric(doc, "tpot_s"))
             lines += [
                 f"### Soak: {LABELS[key]}, {doc['rate']:g} req/s for {doc['duration_s'] / 60:g} min, "
-                f"{doc['window_s']:g} s windows",
+                f"{doc['window_s']:g} s windows (`{doc['name']}`)",
                 "",
                 "| window s | sent | failed | P99 TTFT s | P99 TPOT ms |",
                 "| --- | ---: | ---: | ---: | ---: |",
@@ -556,6 +556,7 @@ def soak_section(store: Store) -> tuple[list[str], list[tuple[str, str]]]:
                 ),  # fmt: skip
                 "",
             ]
+            tag = key + doc["name"].removeprefix("soak")  # one plot per saved soak (ts-slo-30min)
             series = [
                 plots.Series("P99 TTFT s", [(w["end_s"] / 60, *_tri(w["ttft_p99"])) for w in doc["windows"] if w["ttft_p99"]["value"] is not None]),
             ]  # fmt: skip
@@ -563,17 +564,17 @@ def soak_section(store: Store) -> tuple[list[str], list[tuple[str, str]]]:
                                                   if w["tpot_p99"]["value"] is not None])]  # fmt: skip
             svgs.append(
                 (
-                    f"soak-{key}-ttft.svg",
+                    f"soak-{tag}-ttft.svg",
                     plots.chart(f"Soak {LABELS[key]}: P99 TTFT per window", "minutes", "s", series),
                 )
             )
             svgs.append(
                 (
-                    f"soak-{key}-tpot.svg",
+                    f"soak-{tag}-tpot.svg",
                     plots.chart(f"Soak {LABELS[key]}: P99 TPOT per window", "minutes", "ms", tpot),
                 )
             )
-            lines += [f"![soak TTFT](soak-{key}-ttft.svg) ![soak TPOT](soak-{key}-tpot.svg)", ""]
+            lines += [f"![soak TTFT](soak-{tag}-ttft.svg) ![soak TPOT](soak-{tag}-tpot.svg)", ""]
     return lines, svgs
 
 

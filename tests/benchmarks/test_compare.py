@@ -350,7 +350,7 @@ def test_report_renders_the_soak_verdicts(tmp_path: Path) -> None:
     assert "no window's P99 above 1.3x the whole run's: **MET**" in text  # every window's P99 is the same
     assert "0 errors: **MET**" in text and "0 KV blocks in use after the run: **MET**" in text
     assert "RSS growth < 5% after warm-up: **MET**" in text and "+2.0%" in text
-    assert {name for name, _ in svgs} >= {"soak-ts-slo-ttft.svg", "soak-ts-slo-tpot.svg"}
+    assert {name for name, _ in svgs} >= {"soak-ts-slo-10min-ttft.svg", "soak-ts-slo-10min-tpot.svg"}
     assert all(svg.startswith("<svg") for _, svg in svgs)
 
 
