@@ -47,6 +47,7 @@ from compare.run import (
     measure,
     replay,
     soak,
+    source_points,
 )
 from compare.store import Store
 
@@ -296,6 +297,13 @@ def compare_all(
     ctx: Context, keys: Sequence[str], workloads: Sequence[planning.Workload], args: argparse.Namespace
 ) -> None:
     store = ctx.store
+    if args.replay:  # a named run that is not saved is refused before any server starts
+        source, _, names = args.replay.partition(":")
+        for workload in workloads:
+            wanted = [n for n in names.split(",") if n]
+            found = {p["name"] for p in source_points(store, source, workload.name, wanted)}
+            if missing := [n for n in wanted if n not in found]:
+                sys.exit(f"--replay: {source} has no saved run {', '.join(missing)} in {workload.name}")
     for workload in workloads:
         for key in keys:
             calibrate(ctx, key, workload)

@@ -259,6 +259,14 @@ def test_a_replay_can_name_a_rate_point_of_the_source(tmp_path: Path) -> None:
     assert [(p["name"], p["rate"]) for p in named] == [("at-0.8x", 2.2)]
     assert prompts_of(named[0]) == "at-0.8x"  # its own seed: the prompts it was measured on
 
+    from compare.cli import compare_all, parse_args
+
+    args = parse_args(["--replay", "ts-slo:at-0.8x,at-2x", "--servers", "vllm"])
+    ctx = Context(store, plan.QUICK, 0, None, tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match="no saved run at-2x"):  # refused before any server starts
+        compare_all(ctx, ["vllm"], [plan.LONGTAIL], args)
+    assert not store.has("vllm", "longtail", "calibration")
+
 
 def test_a_replay_takes_the_source_probes_by_name_and_skips_the_saved(tmp_path: Path) -> None:
     from compare.run import replay
