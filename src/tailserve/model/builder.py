@@ -148,9 +148,8 @@ def build_worker_runner(
 
 def _load(mc: ModelConfig, weight_format: str, device: torch.device, keep: Keep | None = None) -> LoadedModel:
     dtype = activation_dtype(weight_format, device)
-    # A plan that runs the int4 layers from their blocks on both phases (AMX widening, or int8
-    # codes made from the groups for w8a8 prompt rows) needs no dense copy.
-    dense_q4 = plan_for(weight_format, device).prefill not in ("int4", "w8a8")
+    # A plan that runs the int4 layers from their blocks on both phases needs no dense copy.
+    dense_q4 = plan_for(weight_format, device).prefill != "int4"
     return load_model(mc.model, dtype, mc.seed, dense_q4=dense_q4, keep=keep)
 
 

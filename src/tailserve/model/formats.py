@@ -40,11 +40,6 @@ PLANS = {
     # float32 sums. Where those are missing, plan_for makes them bf16.
     "int4": FormatPlan(decode="int4", prefill="int4", head="q8"),
     "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
-    # int4 decode rows and head as above; prompt rows int8 x int8 (torch._int_mm, exact int32 sums):
-    # each row quantized on its own to int8 (scale max|x| / 127), the weights per output row from the
-    # file's int4 values. No dense copy kept. Faster prefill where int8 dot products run at twice
-    # bf16's rate (AVX512-VNNI); see docs/ENGINE.md.
-    "int4-w8a8": FormatPlan(decode="int4", prefill="w8a8", head="q8"),
 }
 
 
@@ -54,7 +49,7 @@ def resolve_format(weight_format: str, device: torch.device) -> str:
         return AUTO_CPU_FORMAT if device.type == "cpu" else "bf16"
     if weight_format not in PLANS:
         raise ConfigError(f"--weight-format must be one of auto, {', '.join(PLANS)}, got {weight_format!r}")
-    if device.type != "cpu" and weight_format in ("int4", "int8", "int4-w8a8"):
+    if device.type != "cpu" and weight_format in ("int4", "int8"):
         raise ConfigError(f"--weight-format {weight_format} runs on CPU only; use bf16 on {device.type}")
     return weight_format
 

@@ -1,9 +1,8 @@
 """A linear layer whose weight is held in the format each phase of a step runs.
 
 The flattened batch holds the step's decode rows first: they go through the decode kernel (int4 or
-int8 weight-only where that wins), the prefill rows after them through the prefill one (bf16, the
-int4 groups widened on AMX, or int8 x int8 with per-row activation scales), so a row's arithmetic
-depends on its phase, never on who shares the step. Never picks a format by batch size.
+int8 weight-only where that wins), the prefill rows after them through the prefill one (bf16), so a
+row's arithmetic depends on its phase, never on who shares the step. Never picks a format by batch size.
 """
 
 from __future__ import annotations
@@ -20,14 +19,12 @@ from tailserve.model.weight_formats import (
     Int4Groups,
     PackedInt4,
     PackedInt8,
-    PackedW8A8,
     concat_int4,
     int4_from_float,
     int8_from_float,
     pack_amx_int4,
     pack_int4,
     pack_int8,
-    pack_w8a8,
 )
 
 KERNELS = ("fp32", "bf16", "int4", "int8")
@@ -77,14 +74,9 @@ class Linear(nn.Module):
         # Opt-in and batch-dependent: steps with at least this many decode rows run them dense too.
         self.dense_decode_from_rows = dense_decode_from_rows
         amx_prefill = prefill == "int4"  # prompt rows on the AMX kernel from the int4 groups, no dense copy
-        w8a8_prefill = prefill == "w8a8"  # prompt rows int8 x int8 (per-row activation scales), no dense copy
         if (
             decode not in KERNELS
-            or (
-                prefill not in _DENSE_DTYPES
-                and not (amx_prefill and decode == "int4")
-                and not (w8a8_prefill and decode in ("int4", "int8"))
-            )
+            or (prefill not in _DENSE_DTYPES and not (amx_prefill and decode == "int4"))
             or (prefill == "fp32") != (decode == "fp32")
         ):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
@@ -94,7 +86,7 @@ class Linear(nn.Module):
         # The dense copy serves prefill rows (and decode rows when decode is dense too); with
         # prefill int4 the prompt rows widen the int4 groups to bf16 on the fly instead.
         self.weight: nn.Parameter | None = None
-        if not amx_prefill and not w8a8_prefill:
+        if not amx_prefill:
             self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
         # int4 runs on the fused kernels' tile matmul where it can (AMX or AVX512-BF16; exact to the
         # groups' float32 scales), else on torch's int4 kernel (scales rounded to bf16). One of the
@@ -109,11 +101,6 @@ class Linear(nn.Module):
         if amx_prefill and (self.amx4 is None or cpu_kernels.amx() is None):
             raise ValueError("prefill int4 needs the fused CPU kernels with AMX")
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
-        # w8a8 codes from the file's exact int4 values where it has them, else from the dense floats.
-        self.w8a8: PackedW8A8 | None = None
-        if w8a8_prefill:
-            exact = source.int4.dequantize() if source.int4 is not None else source.dense.float()
-            self.w8a8 = pack_w8a8(exact, bias, cpu_kernels.load())
         self.bias = (
             None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
         )
@@ -130,10 +117,7 @@ class Linear(nn.Module):
         return torch.cat([self.decode_matmul(x[:num_decodes]), self.prefill_matmul(x[num_decodes:])])
 
     def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] contiguous through the prompt-row kernel: the dense copy, the AMX int4 widening,
-        or int8 x int8."""
-        if self.w8a8 is not None:
-            return self.w8a8.matmul(x)
+        """x [M, K] contiguous through the prompt-row kernel: the dense copy, or the AMX int4 widening."""
         if self.weight is None:
             assert self.amx4 is not None
             return self.amx4.prefill_matmul(x)
@@ -185,8 +169,6 @@ class Linear(nn.Module):
             kept += [self.amx4.packed, self.amx4.scale, self.amx4.shifted_min]
         if self.int8 is not None:
             kept += [self.int8.codes, self.int8.scale]
-        if self.w8a8 is not None:
-            kept += [self.w8a8.codes, self.w8a8.scale]
         if self.onednn is not None:
             kept.append(self.onednn)
         return sum(t.numel() * t.element_size() for t in kept)

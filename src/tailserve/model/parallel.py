@@ -53,7 +53,7 @@ def check_shardable(arch: ArchConfig, size: int, weight_format: str) -> TensorPa
         raise ConfigError(
             f"--tensor-parallel-size {size} does not divide the MLP width {arch.intermediate_size}"
         )
-    if weight_format in ("int4", "int4-w8a8") and size > 1:
+    if weight_format == "int4" and size > 1:
         # Row-parallel int4 weights split along K on the 32-wide groups.
         for what, width in (
             ("o_proj input", split.heads_per_rank * arch.head_dim),

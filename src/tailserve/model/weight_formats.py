@@ -248,57 +248,6 @@ def pack_int8(rows: Int8Rows) -> PackedInt8:
     return PackedInt8(rows.codes.contiguous(), rows.scale.to(torch.bfloat16))
 
 
-@dataclass
-class PackedW8A8:
-    """Prompt rows as int8 x int8: the weight's per-output-row int8 codes laid out [K, N] for
-    torch._int_mm, and each call's rows quantized per row (scale = max|x| / 127, nearest even). The
-    int32 sums are exact, so a row's result never depends on its batch. Quantizing and the float
-    epilogue run on the fused CPU kernels when they load, else on torch ops (same codes; the
-    epilogue may differ by one bf16 rounding)."""
-
-    codes: torch.Tensor  # int8 [K, N], contiguous
-    scale: torch.Tensor  # float32 [N]
-    bias: torch.Tensor | None  # float32 [N]
-    lib: ctypes.CDLL | None
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bf16, contiguous -> [M, N] bf16."""
-        rows, k = x.shape
-        if self.lib is None:
-            q, row_scale = quantize_rows(x)
-            acc = torch._int_mm(q, self.codes)
-            out = acc.float().mul_(row_scale[:, None]).mul_(self.scale)
-            if self.bias is not None:
-                out += self.bias
-            return out.to(torch.bfloat16)
-        q = torch.empty(rows, k, dtype=torch.int8)
-        row_scale = torch.empty(rows, dtype=torch.float32)
-        self.lib.ts_quant_rows_i8(ptr(x), rows, k, ptr(q), ptr(row_scale))
-        acc = torch._int_mm(q, self.codes)
-        n = acc.shape[1]
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        bias = None if self.bias is None else ptr(self.bias)
-        self.lib.ts_dequant_rows(ptr(acc), rows, n, ptr(row_scale), ptr(self.scale), bias, ptr(out))
-        return out
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x symmetric to int8: (codes int8 [M, K], scale float32 [M]); what
-    ts_quant_rows_i8 computes (a row of zeros: scale 0, codes 0)."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = (xf * inv[:, None]).round().to(torch.int8)
-    return q, amax / 127.0
-
-
-def pack_w8a8(w: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL | None) -> PackedW8A8:
-    """The prompt-row int8 layout of a float weight [N, K] (per-row symmetric codes, int8_from_float)."""
-    rows = int8_from_float(w)
-    b = None if bias is None else bias.detach().float().contiguous()
-    return PackedW8A8(rows.codes.t().contiguous(), rows.scale.float().contiguous(), b, lib)
-
-
 # --- the fused CPU kernels' AMX layouts (cpu_kernels.c: ts_q4_matmul, ts_q8_matmul) ------------
 
 _TILE_N = 16  # output channels per tile
