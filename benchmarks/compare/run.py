@@ -49,6 +49,9 @@ TS_VARIANTS = {
     "ts-slo-edf": (("--urgent-slack", "1"), "tailserve (slo, deadline order)"),
     # the A/B of the TPOT cap on prefill: --prefill-floor 1 keeps every step's whole budget for prompts
     "ts-slo-nocap": (("--prefill-floor", "1"), "tailserve (slo, no TPOT cap on prefill)"),
+    # the server plans to a tighter TPOT target than the one it is judged by (argparse: last wins)
+    "ts-slo-tpot80": (("--slo-tpot", "0.08"), "tailserve (slo, plans to a TPOT of 80 ms)"),
+    "ts-slo-tpot90": (("--slo-tpot", "0.09"), "tailserve (slo, plans to a TPOT of 90 ms)"),
 }
 OTHER_SERVERS = ("llamacpp-1t", "hf", *TS_VARIANTS)  # known, not run unless asked
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt
