@@ -12,6 +12,7 @@ rerunning the same command with the same --out resumes. Follow it with `tail -f 
     .venv/bin/python benchmarks/compare_engines.py --out bench-results/compare-full --soak ts-slo,best
     .venv/bin/python benchmarks/compare_engines.py --quick                              # minutes
     .venv/bin/python benchmarks/compare_engines.py --render bench-results/compare-full
+    .venv/bin/python benchmarks/compare_engines.py --across bench-results/compare-seed0 bench-results/compare-seed1
 
 Drives servers over HTTP and subprocesses only: from tailserve it imports only the bench's statistics
 (tailserve.bench: intervals and nearest-rank percentiles), never the engine.
@@ -34,8 +35,8 @@ from machine import CpuLog, git_commit, machine_line
 from peers import envs
 from peers.launch import Limits
 
+from compare import across, report, stats
 from compare import plan as planning
-from compare import report, stats
 from compare.analyze import Slo
 from compare.run import (
     OTHER_SERVERS,
@@ -134,6 +135,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "probe run N times on each in alternating order (A B, B A, ...)",
     )
     p.add_argument("--render", type=Path, metavar="DIR", help="only write the report of DIR")
+    p.add_argument(
+        "--across",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="only print the long-tail capacity across these folders (one prompt draw each: --seed N), "
+        "under the conservative and the point P99, with the ratio to the best peer per draw",
+    )
     p.add_argument("--doc", type=Path, help="also write the markdown here (e.g. docs/COMPARE.md)")
     return p.parse_args(argv)
 
@@ -252,6 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
         report.write(Store(args.render), args.doc)
+        return 0
+    if args.across:
+        missing = [str(d) for d in args.across if not (d / "run.json").exists()]
+        if missing:
+            sys.exit(f"--across: not a comparison folder (no run.json): {', '.join(missing)}")
+        print("\n".join(across.across_table([Store(d) for d in args.across])))
         return 0
     signal.signal(signal.SIGTERM, interrupt)
     keys = [k for k in (args.servers or ",".join(QUICK_SERVERS if args.quick else SERVERS)).split(",") if k]

@@ -73,7 +73,12 @@ saved runs named) with the same prompts (saved as `replay-KEY-NAME`, set beside 
 report); with `--rounds N` it runs
 interleaved repeats instead: every server named, KEY included, up at once, and each probe run N times
 on each in alternating order (A B, B A, ...), so the machine's drift falls on all of them alike; a
-verdict between two servers then needs the same answer in every round. Every bench run records the
+verdict between two servers then needs the same answer in every round. One folder's capacity
+search is one prompt draw, and under the conservative rule its capacity is set by the draw's single
+worst request (at 368 requests the upper end of a P99's interval is the largest value): run the
+searches into several folders with `--seed 0`, `--seed 1`, ... and read them together with
+`--across DIR DIR ...`, which gives each draw's capacities under the conservative and the point
+P99, the ratio to the best peer with its bracket, and a verdict over the draws. Every bench run records the
 machine's busy / idle / steal shares of CPU time (`run.cpu`); on a VM, steal moves P99s as much as
 a server does, so read each row with its steal column. The comparison also logs the machine's CPU
 counters once a second (`cpu-1s.log` in the folder). For each run, the report gives the steal share

@@ -573,3 +573,67 @@ def test_the_gil_variant_is_tailserve_slo_at_a_tenth_of_the_switch_interval() ->
     edf = server_spec("ts-slo-edf", plan.WORKLOADS["longtail"], 8001, Path("m.gguf"), limits, SLO)
     assert edf.command == [*base.command, "--urgent-slack", "1"]
     assert report.LABELS["ts-slo-edf"] == edf.label != base.label
+
+
+# ----- capacity across prompt draws ---------------------------------------------------------------
+def probe(rate: float, ttft: tuple[float, float], errors: float = 0.0) -> dict[str, Any]:
+    """A saved capacity probe whose P99 TTFT is `ttft` = (point, upper end); TPOT always passes."""
+    p99 = {"value": ttft[0], "low": ttft[0] * 0.8, "high": ttft[1], "count": 368}
+    tpot = {"value": 0.05, "low": 0.04, "high": 0.06, "count": 368}
+    figures = {"metrics": {"ttft_s": {"p99": p99}, "tpot_s": {"p99": tpot}}, "error_rate": errors}
+    return {"rate": rate, "passed": ttft[1] <= 1.0 and errors <= 0.01, "figures": figures}
+
+
+def draw(root: Path, seed: int, probes: dict[str, list[dict[str, Any]]]) -> Store:
+    store = Store(root)
+    store.save({"seed": seed, "invocations": []}, "run")
+    store.save({"ttft_s": 1.0, "tpot_s": 0.1, "error_rate": 0.01, "basis": "test"}, "slo-longtail")
+    for key, docs in probes.items():
+        for i, doc in enumerate(docs, 1):
+            store.save(doc, key, "longtail", f"probe-{i:02d}")
+    return store
+
+
+def test_capacity_across_draws_reads_every_draw_under_both_rules(tmp_path: Path) -> None:
+    from compare import across
+
+    # Draw 0: tailserve passes 6 and, on its point P99 only, 7; vLLM passes 3 and fails 3.5.
+    first = draw(tmp_path / "d0", 0, {
+        "ts-slo": [probe(6.0, (0.5, 0.9)), probe(7.0, (0.9, 1.2))],
+        "vllm": [probe(3.0, (0.5, 0.8)), probe(3.5, (1.1, 1.3))],
+    })  # fmt: skip
+    # Draws 1 and 2: both servers pass 4 and fail 4.4-4.5 (a 429 share over 1% fails one probe).
+    even = [
+        draw(
+            tmp_path / f"d{seed}",
+            seed,
+            {
+                "ts-slo": [probe(4.0, (0.5, 0.9)), probe(4.5, (0.6, 0.9), errors=0.02)],
+                "vllm": [probe(4.0, (0.5, 0.9)), probe(4.4, (1.2, 1.4))],
+            },
+        )  # fmt: skip
+        for seed in (1, 2)
+    ]
+    lines = across.across_table([first, *even])
+    text = "\n".join(lines)
+    # Conservative: 6 / 3 = 2.00x, bracket 6 / 3.5 .. 7 / 3 = 1.71 .. 2.33: met on this draw.
+    assert (
+        "| d0, seed 0 | upper | 6.00 (< 7.00) | vLLM CPU (bf16) | 3.00 (< 3.50) | 2.00x [1.71, 2.33] | MET |"
+        in text
+    )
+    # Point P99: tailserve's 7 now passes and nothing failed above it: the bracket is open.
+    assert (
+        "| d0, seed 0 | point | 7.00 (none failed above) | vLLM CPU (bf16) | 3.00 (< 3.50) | 2.33x [2.00, open] | MET |"
+        in text
+    )
+    # 4 / 4 = 1.00x, at most 4.5 / 4 = 1.12x: missed on those draws.
+    assert (
+        "| d1, seed 1 | upper | 4.00 (< 4.50) | vLLM CPU (bf16) | 4.00 (< 4.40) | 1.00x [0.91, 1.12] | MISSED |"
+        in text
+    )
+    summary = [line for line in lines if line.startswith("- upper rule")][0]
+    assert "3 draws" in summary and "1 met, 2 missed" in summary and "**MISSED**" in summary
+    assert "geometric mean 1.26x" in summary  # (2 x 1 x 1) ** (1/3)
+    # One good draw alone is met; one good and one bad draw are not enough data.
+    assert "**MET**" in [x for x in across.across_table([first]) if x.startswith("- upper")][0]
+    assert across.overall_verdict([stats.MET, stats.MISSED]) == stats.NOT_ENOUGH
