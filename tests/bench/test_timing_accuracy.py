@@ -141,6 +141,7 @@ def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerP
         "decode_s": 0.02,
         "e2e_s": 0.07,
         "preemptions": 0,
+        "admission_estimate_s": 0.1,
     }
     slow = {
         "queue_s": 0.5,
@@ -149,9 +150,12 @@ def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerP
         "decode_s": 0.02,
         "e2e_s": 0.56,
         "preemptions": 1,
+        "admission_estimate_s": 0.27,
     }
+    unpriced = fast | {"admission_estimate_s": 0.0}  # nothing was ahead: admission priced nothing
     fake_server.script(
-        [{"ttft_s": 0.05, "itl_s": 0.01, "tokens": 3, "timings": fast}] * 9
+        [{"ttft_s": 0.05, "itl_s": 0.01, "tokens": 3, "timings": fast}] * 8
+        + [{"ttft_s": 0.05, "itl_s": 0.01, "tokens": 3, "timings": unpriced}]
         + [{"ttft_s": 0.55, "itl_s": 0.01, "tokens": 3, "timings": slow}]
     )
     result, _ = run_bench(
@@ -160,6 +164,10 @@ def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerP
     )  # fmt: skip
     assert metric(result, "queue_s", "p99") == pytest.approx(0.5)
     assert metric(result, "queue_s", "p50") == pytest.approx(0.01)
+    # Admission's predictions against the server's TTFT: 0.05 / 0.1 and 0.54 / 0.27, unpriced ones left out.
+    assert result["metrics"]["admission_ratio"]["count"] == 18
+    assert metric(result, "admission_ratio", "p50") == pytest.approx(0.5)
+    assert metric(result, "admission_ratio", "max") == pytest.approx(2.0)
     att = result["attribution"]
     assert att["slowest_count"] == 1
     assert att["queue_s"] == pytest.approx(0.5) and att["preempted_fraction"] == 1.0

@@ -139,6 +139,71 @@ def test_wait_estimate_counts_requests_not_yet_seen_by_the_step_loop(smol: Loade
     asyncio.run(main())
 
 
+def test_wait_estimate_prices_only_the_prompt_tokens_the_prefix_cache_lacks(smol: LoadedModel) -> None:
+    """A follow-up turn resends a history the cache holds: admission must price the new tokens only,
+    for the newcomer and for everything queued ahead of it, or it refuses turns that would make
+    their target (seen in the multi-turn comparison: 429s while P99 TTFT was well within it)."""
+
+    async def main() -> None:
+        config = EngineConfig(
+            model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
+            cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
+            scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="fcfs"),
+        )
+        engine = AsyncEngine(config, loaded=smol)
+        warm = engine.engine
+        history = list(range(100, 300))  # 200 tokens, served once: 12 full blocks of 16 cached
+        warm.add_request("turn1", history, SamplingParams(max_tokens=1, temperature=0.0))
+        while warm.has_unfinished():
+            warm.step()
+        params = SamplingParams(max_tokens=4)
+        follow_up = history + list(range(400, 420))  # 220 tokens, the first 192 cached
+        unrelated = list(range(600, 820))  # 220 tokens, none cached
+        assert engine.prompt_work_tokens(follow_up, params) == 220 - 192
+        assert engine.prompt_work_tokens(unrelated, params) == 220
+        # Prompt logprobs cannot come from the cache: such a request computes its whole prompt.
+        assert engine.prompt_work_tokens(follow_up, SamplingParams(max_tokens=4, prompt_logprobs=0)) == 220
+        # Something ahead (the step loop is not started), then each kind queued: the follow-up adds
+        # far less predicted wait for the next newcomer than the unrelated prompt does.
+        streams = [engine.generate("ahead", list(range(900, 964)), params)]
+        newcomer = 64
+        before = engine.estimate_wait_s(newcomer)
+        streams.append(engine.generate("follow-up", follow_up, params))
+        after_follow_up = engine.estimate_wait_s(newcomer)
+        streams.append(engine.generate("unrelated", unrelated, params))
+        after_unrelated = engine.estimate_wait_s(newcomer)
+        assert 0 < after_follow_up - before < (after_unrelated - after_follow_up) / 2
+        await engine.start()
+        for stream in streams:
+            async for _ in stream:
+                pass
+        await _wait_idle(engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_queued_follow_up_counts_only_its_uncached_tokens_in_the_engine_snapshot(smol: LoadedModel) -> None:
+    config = EngineConfig(
+        model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
+        cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+    )
+    engine = AsyncEngine(config, loaded=smol).engine
+    history = list(range(100, 300))
+    engine.add_request("turn1", history, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("turn2", history + list(range(400, 420)), SamplingParams(max_tokens=2))
+    assert [p[0] for p in engine.queue_snapshot().pending] == [28]  # waiting: 220 less 192 cached
+    engine.step()  # scheduled: the prefix is matched, and the count is what is left to compute
+    pending = engine.queue_snapshot().pending
+    assert pending == [] or pending[0][0] < 28
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().prefix_cache_hits >= 192
+
+
 def test_refused_request_raises_on_the_stream_and_a_duplicate_id_keeps_the_first(smol: LoadedModel) -> None:
     async def main() -> None:
         engine = AsyncEngine(_config(), loaded=smol)

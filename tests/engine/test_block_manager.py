@@ -45,7 +45,9 @@ def test_invariants_hold_and_everything_returns(operations: list[tuple[str, int,
         sid = f"s{slot}"
         if op == "start" and sid not in live:
             tokens = prompts[which][:n]
+            peek = kv.cached_prefix_tokens(tokens)
             cached = kv.match_prefix(sid, tokens)
+            assert peek == cached  # the read-only count admission uses agrees with the real lookup
             assert cached % BLOCK == 0 and cached < len(tokens)
             assert kv.block_table(sid)[: cached // BLOCK] == kv.block_table(sid)
             live[sid] = tokens
@@ -99,6 +101,23 @@ def test_prefix_hit_reuses_blocks_and_lru_evicts_oldest_first() -> None:
     assert kv.match_prefix("d", a) == 0
     kv.free("d")
     assert kv.num_free_blocks == 6
+
+
+def test_cached_prefix_count_reads_without_changing_anything() -> None:
+    kv = KVCacheManager(6, BLOCK)
+    a = list(range(13))  # 3 full blocks + 1 token
+    kv.match_prefix("a", a)
+    kv.allocate("a", len(a))
+    kv.commit("a", a, len(a))
+    kv.free("a")
+    queries, hits = kv.prefix_queries, kv.prefix_hits
+    assert kv.cached_prefix_tokens(a) == 12
+    assert kv.cached_prefix_tokens(a[:9] + [77] * 4) == 8  # two full blocks shared
+    assert kv.cached_prefix_tokens(a[:4]) == 0  # the last token is always computed
+    assert kv.cached_prefix_tokens([5] * 13) == 0
+    assert (kv.prefix_queries, kv.prefix_hits) == (queries, hits)
+    assert not kv.has("a") and kv.num_free_blocks == 6
+    assert KVCacheManager(6, BLOCK, enable_prefix_caching=False).cached_prefix_tokens(a) == 0
 
 
 def test_pool_refuses_double_release_and_overdraw() -> None:

@@ -115,6 +115,9 @@ class FakeEngine:
             steps_total=0,
         )
 
+    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        return len(prompt_token_ids)  # no prefix cache
+
     def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
         if self.wait_estimate_s is not None:
             return self.wait_estimate_s

@@ -228,6 +228,11 @@ def test_burst_gets_429_exactly_where_the_predicted_wait_passes_the_target() -> 
             if r.status_code == 429:
                 assert r.json()["error"]["code"] == "slo"
                 assert int(r.headers["retry-after"]) >= 1
+        # Each admitted response reports the TTFT admission predicted for it: 0.5 s per request ahead.
+        estimates = sorted(
+            r.json()["tailserve_timings"]["admission_estimate_s"] for r in responses if r.status_code == 200
+        )
+        assert estimates == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0])
         assert metric(base, "tailserve_requests_rejected_total", {"reason": "slo"}) == 7
 
 

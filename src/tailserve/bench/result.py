@@ -43,6 +43,20 @@ _ALERT_OVER_TARGET = 1.5
 SMALL_SAMPLE = 100
 
 
+def admission_ratios(ok: list[RequestRecord]) -> list[float]:
+    """Server TTFT over the TTFT that the server's admission predicted on arrival (tailserve's
+    `admission_estimate_s`), for the requests it predicted (0: nothing was ahead, not priced).
+    Above 1: it took longer than admission expected (it let in a likely miss); below 1: admission
+    was pessimistic (near the target, it refuses requests that would have made it)."""
+    out = []
+    for r in ok:
+        t = r.server_timings or {}
+        estimate, ttft = t.get("admission_estimate_s", 0.0), t.get("ttft_s", 0.0)
+        if estimate > 0 and ttft > 0:
+            out.append(ttft / estimate)
+    return out
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     """Everything that defined a run, recorded in the result so it can be reproduced."""
@@ -125,6 +139,7 @@ def build_result(
         "slowdown": summarize(slowdown, level),
         "queue_delay_s": summarize(queue_delay, level),
         "queue_s": summarize(queue, level),
+        "admission_ratio": summarize(admission_ratios(ok), level),
         "client_queue_s": summarize((r.client_queue_s for r in measured if r.scheduled_s is not None), level),
         "input_tokens": summarize((float(r.input_tokens) for r in ok), level),
         "output_tokens": summarize((float(r.output_tokens) for r in ok), level),

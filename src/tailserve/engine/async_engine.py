@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from tailserve.config import EngineConfig
@@ -109,10 +109,11 @@ class AsyncEngine:
         now = arrival or time.monotonic()
         item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, next(self._add_seq))
         ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
+        work = self.prompt_work_tokens(item.prompt_token_ids, params)
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
-            self._unseen[item.seq] = (len(item.prompt_token_ids), now + ttft_s, ttft_s)
+            self._unseen[item.seq] = (work, now + ttft_s, ttft_s)
         self._inbox.put(item)
         return self._outputs(request_id, stream)
 
@@ -140,6 +141,11 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Prompt tokens a new request would compute before its first output (the prompt less the
+        prefix cached now): what admission prices it by. Any thread (read-only dict lookups)."""
+        return self.engine.prompt_work_tokens(prompt_token_ids, params)
 
     def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
         """Predicted queue wait plus prefill for a new request whose TTFT target is `ttft_s` (None:

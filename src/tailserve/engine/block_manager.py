@@ -152,6 +152,21 @@ class KVCacheManager:
         self._seqs[seq_id] = seq
         return len(seq.table) * bs
 
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` match_prefix would find cached now, changing nothing
+        (no LRU touch, no hit counters): what admission prices a prompt by. Safe to call from another
+        thread than the step loop's: each lookup is one dict read, and a block evicted meanwhile only
+        makes the count stale, as an estimate may be."""
+        bs = self.block_size
+        parent: BlockHash | None = None
+        found = 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            if self.pool.lookup(parent) is None:
+                break
+            found += bs
+        return found
+
     def count_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """Record one admitted request's prefix-cache lookup (tokens asked for, tokens found)."""
         self.prefix_queries += queried_tokens

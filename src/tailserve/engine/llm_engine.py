@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -222,6 +222,14 @@ class LLMEngine:
     def queue_snapshot(self) -> QueueSnapshot:
         """What admission control needs, taken on the engine thread between steps."""
         return self.scheduler.queue_snapshot(time.monotonic())
+
+    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Prompt tokens a new request would compute before its first output: the prompt less the
+        prefix the cache holds now (all of it when it asks for prompt logprobs, which a cached
+        prefix cannot give). Read-only: admission calls it from the server's thread."""
+        if params.prompt_logprobs is not None:
+            return len(prompt_token_ids)
+        return len(prompt_token_ids) - self.scheduler.cached_prefix_tokens(prompt_token_ids)
 
     def estimate_wait_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None, ttft_s: float | None = None

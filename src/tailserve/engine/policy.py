@@ -125,7 +125,7 @@ class SloPolicy:
         for r in candidates:
             ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
             deadline = r.timings.arrival + ttft_s
-            remaining = r.num_uncomputed_tokens
+            remaining = r.prompt_work_tokens  # a waiting prompt's cached prefix costs nothing
             if r.timings.first_token is not None:
                 # Resumed after a preemption: it streams already, so its TTFT is history and what
                 # matters is getting its stream going again, first.

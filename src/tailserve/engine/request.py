@@ -329,6 +329,9 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
     grammar: Any = None  # engine.structured.GrammarMatcher when params.grammar is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # entry i: prompt token i + 1
+    # Prompt tokens the prefix cache held when it was queued: wait estimates leave them out while it
+    # waits (a waiting request has matched nothing yet; once running, num_computed_tokens counts them).
+    expected_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -350,6 +353,13 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_work_tokens(self) -> int:
+        """Tokens still to compute before its first output, for wait estimates: a waiting request's
+        expected prefix-cache hit is left out."""
+        expected = self.expected_cached_tokens if self.status is RequestStatus.WAITING else 0
+        return max(self.num_uncomputed_tokens - expected, 1)
 
     @property
     def scores_prompt(self) -> bool:

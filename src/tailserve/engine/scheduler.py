@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tailserve.config import SchedulerConfig
@@ -60,7 +61,14 @@ class Scheduler:
         self._steps = 0  # steps planned with work past saving waiting: whose turn a one-chunk step is
 
     def add(self, request: Request) -> None:
+        # A request scoring its prompt computes it all (see _admit): it expects no hit.
+        if not request.scores_prompt:
+            request.expected_cached_tokens = self.kv.cached_prefix_tokens(request.token_ids)
         self.waiting.append(request)
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of a prompt the prefix cache holds now (read-only; any thread)."""
+        return self.kv.cached_prefix_tokens(token_ids)
 
     @property
     def num_unfinished(self) -> int:
@@ -252,7 +260,7 @@ class Scheduler:
         pending = []
         for r in prefilling:
             ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
-            pending.append((r.num_uncomputed_tokens, r.timings.arrival + ttft_s, ttft_s))
+            pending.append((r.prompt_work_tokens, r.timings.arrival + ttft_s, ttft_s))
         running_prefills = sum(1 for r in self.running if not r.is_decoding)
         return QueueSnapshot(
             pending=pending,

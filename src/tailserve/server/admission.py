@@ -14,10 +14,15 @@ from tailserve.server.errors import ServiceUnavailableError
 
 
 class Ticket:
-    """One admitted request: counted as not-yet-started until its first token, in flight until done."""
+    """One admitted request: counted as not-yet-started until its first token, in flight until done.
 
-    def __init__(self, admission: Admission) -> None:
+    `estimate_s` is the TTFT that admission predicted for it on arrival (0 when nothing was ahead:
+    an idle server does not price a lone prompt); responses report it, so a client can check how
+    far admission's predictions are from what happened (docs/INTERFACES.md)."""
+
+    def __init__(self, admission: Admission, estimate_s: float = 0.0) -> None:
         self._admission = admission
+        self.estimate_s = estimate_s
         self._started = False
         self._done = False
 
@@ -67,7 +72,8 @@ class Admission:
 
     def admit(self, num_prompt_tokens: int, slo: SloTarget | None = None) -> Ticket:
         """A ticket, or RequestRejectedError (429) when the queue is full or the request's own TTFT
-        target (`slo`, else --slo-ttft) would break."""
+        target (`slo`, else --slo-ttft) would break. `num_prompt_tokens`: the prompt tokens it would
+        compute (Engine.prompt_work_tokens: a cached prefix costs nothing)."""
         self.check_available()
         limits = self._engine.config.scheduler
         ttft_s = slo.ttft_s if slo is not None and slo.ttft_s is not None else limits.slo_ttft_s
@@ -88,7 +94,7 @@ class Admission:
             raise RequestRejectedError(message, retry_after_s=wait_s - ttft_s, reason="slo")
         self.drain.enter()
         self.not_started += 1
-        return Ticket(self)
+        return Ticket(self, wait_s)
 
     def release(self) -> None:
         """Called by Ticket.done()."""

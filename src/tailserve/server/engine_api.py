@@ -65,6 +65,11 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Prompt tokens the engine would compute for this request before its first output: the
+        prompt less the prefix its cache holds now. What admission prices a newcomer by."""
+        ...
+
     def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
         """Predicted time to first token of a newcomer whose TTFT target is `ttft_s` (None: --slo-ttft)."""
         ...

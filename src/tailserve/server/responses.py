@@ -29,6 +29,7 @@ class Job:
     tool_calls: bool = False  # chat with tools: the output is parsed for <tool_call> blocks
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
     best_of: tuple[int, int] | None = None  # (n, best_of) when best_of > n: candidates to rank
+    admission_estimate_s: float = 0.0  # the TTFT admission predicted for the (first) choice on arrival
 
 
 def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
@@ -107,18 +108,23 @@ def usage(
     }
 
 
-def timings(out: RequestOutput) -> dict[str, float | int]:
+def timings(job: Job, out: RequestOutput) -> dict[str, float | int]:
     """The `tailserve_timings` extension field (docs/INTERFACES.md); zeros if the engine gave none."""
+    estimate = {"admission_estimate_s": job.admission_estimate_s}
     if out.timings is not None:
-        return out.timings.as_dict()
+        return out.timings.as_dict() | estimate
     keys = ("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s")
     empty: dict[str, float | int] = dict.fromkeys(keys, 0.0)
-    return empty | {
-        "preemptions": 0,
-        "cached_tokens": out.num_cached_tokens,
-        "prompt_tokens": out.num_prompt_tokens,
-        "output_tokens": len(out.token_ids),
-    }
+    return (
+        empty
+        | {
+            "preemptions": 0,
+            "cached_tokens": out.num_cached_tokens,
+            "prompt_tokens": out.num_prompt_tokens,
+            "output_tokens": len(out.token_ids),
+        }
+        | estimate
+    )
 
 
 def full_response(
@@ -145,7 +151,7 @@ def full_response(
         "model": job.model,
         "choices": choices,
         "usage": usage(outs, prompt_counted),
-        "tailserve_timings": timings(outs[0]),
+        "tailserve_timings": timings(job, outs[0]),
     }
 
 
@@ -254,7 +260,7 @@ def _with_usage(
     """The usage chunk (summed over `outs`) when asked; the last chunk carries the first's timings."""
     if job.include_usage:
         chunks.append(_chunk(job, []) | {"usage": usage(outs, prompt_counted)})
-    chunks[-1]["tailserve_timings"] = timings(outs[0])
+    chunks[-1]["tailserve_timings"] = timings(job, outs[0])
     return chunks
 
 

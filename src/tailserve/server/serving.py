@@ -145,7 +145,9 @@ class Serving:
 
     async def respond(self, job: Job, inp: EngineInput, receive: Receive) -> Response:
         """Admit, wait for the first output (errors still become a proper status), then answer."""
-        ticket = self._admission.admit(len(inp.prompt_token_ids), inp.params.slo)
+        work = self._engine.prompt_work_tokens(inp.prompt_token_ids, inp.params)
+        ticket = self._admission.admit(work, inp.params.slo)
+        job = dataclasses.replace(job, admission_estimate_s=ticket.estimate_s)
         run = _Run(job.request_id, self._engine, self._metrics, ticket, inp.params.slo)
         run.gen = self._engine.generate(job.request_id, inp.prompt_token_ids, inp.params)
         final: RequestOutput | None = None
@@ -180,11 +182,14 @@ class Serving:
                     f"{job.request_id}-{i}",
                     self._engine,
                     self._metrics,
-                    self._admission.admit(len(inp.prompt_token_ids), inp.params.slo),
+                    self._admission.admit(
+                        self._engine.prompt_work_tokens(inp.prompt_token_ids, inp.params), inp.params.slo
+                    ),
                     inp.params.slo,
                 )
                 runs.append(run)
                 run.gen = self._engine.generate(run.request_id, inp.prompt_token_ids, inp.params)
+            job = dataclasses.replace(job, admission_estimate_s=runs[0].ticket.estimate_s)
             firsts = await until_disconnect(_all([anext(r.gen) for r in runs]), receive, closing)
             if firsts is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
