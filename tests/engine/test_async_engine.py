@@ -11,6 +11,7 @@ import pytest
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import AsyncEngine, SamplingParams
+from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import InvalidRequestError
 from tailserve.model.loader import LoadedModel
 
@@ -21,6 +22,21 @@ def _config() -> EngineConfig:
         cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
     )
+
+
+def _small_steps(policy: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
+        cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, policy=policy),
+    )
+
+
+def _serve_by_hand(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:
+    """One greedy token for `prompt`, stepping the engine on this thread (its blocks join the cache)."""
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
 
 
 async def _wait_idle(engine: AsyncEngine) -> None:
@@ -109,17 +125,9 @@ def test_wait_estimate_counts_requests_not_yet_seen_by_the_step_loop(smol: Loade
     raise the next request's predicted wait at once, not after the next step."""
 
     async def main() -> None:
-        config = EngineConfig(
-            model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
-            cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-            scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="fcfs"),
-        )
-        engine = AsyncEngine(config, loaded=smol)
+        engine = AsyncEngine(_small_steps("fcfs"), loaded=smol)
         # Teach the step timer its cost per prompt token with one prefill, driven by hand.
-        warm = engine.engine
-        warm.add_request("timer", list(range(100, 150)), SamplingParams(max_tokens=1, temperature=0.0))
-        while warm.has_unfinished():
-            warm.step()
+        _serve_by_hand(engine.engine, "timer", list(range(100, 150)))
         prompt = list(range(200, 250))
         assert engine.estimate_wait_s(len(prompt)) == 0.0  # nothing ahead
         # The step loop is not started: these requests sit in the inbox, unseen by the engine.
@@ -145,17 +153,9 @@ def test_wait_estimate_prices_only_the_prompt_tokens_the_prefix_cache_lacks(smol
     their target (seen in the multi-turn comparison: 429s while P99 TTFT was well within it)."""
 
     async def main() -> None:
-        config = EngineConfig(
-            model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
-            cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-            scheduler=SchedulerConfig(max_num_batched_tokens=64, policy="fcfs"),
-        )
-        engine = AsyncEngine(config, loaded=smol)
-        warm = engine.engine
+        engine = AsyncEngine(_small_steps("fcfs"), loaded=smol)
         history = list(range(100, 300))  # 200 tokens, served once: 12 full blocks of 16 cached
-        warm.add_request("turn1", history, SamplingParams(max_tokens=1, temperature=0.0))
-        while warm.has_unfinished():
-            warm.step()
+        _serve_by_hand(engine.engine, "turn1", history)
         params = SamplingParams(max_tokens=4)
         follow_up = history + list(range(400, 420))  # 220 tokens, the first 192 cached
         unrelated = list(range(600, 820))  # 220 tokens, none cached
@@ -184,16 +184,9 @@ def test_wait_estimate_prices_only_the_prompt_tokens_the_prefix_cache_lacks(smol
 
 
 def test_a_queued_follow_up_counts_only_its_uncached_tokens_in_the_engine_snapshot(smol: LoadedModel) -> None:
-    config = EngineConfig(
-        model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
-        cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
-    )
-    engine = AsyncEngine(config, loaded=smol).engine
+    engine = AsyncEngine(_small_steps("slo"), loaded=smol).engine
     history = list(range(100, 300))
-    engine.add_request("turn1", history, SamplingParams(max_tokens=1, temperature=0.0))
-    while engine.has_unfinished():
-        engine.step()
+    _serve_by_hand(engine, "turn1", history)
     engine.add_request("turn2", history + list(range(400, 420)), SamplingParams(max_tokens=2))
     assert [p[0] for p in engine.queue_snapshot().pending] == [28]  # waiting: 220 less 192 cached
     engine.step()  # scheduled: the prefix is matched, and the count is what is left to compute
