@@ -52,6 +52,8 @@ TS_VARIANTS = {
     # the server plans to a tighter TPOT target than the one it is judged by (argparse: last wins)
     "ts-slo-tpot80": (("--slo-tpot", "0.08"), "tailserve (slo, plans to a TPOT of 80 ms)"),
     "ts-slo-tpot90": (("--slo-tpot", "0.09"), "tailserve (slo, plans to a TPOT of 90 ms)"),
+    # the A/B of admission's learned correction of the engine's TTFT predictions
+    "ts-slo-rawadm": (("--no-admission-correction",), "tailserve (slo, admission on raw predictions)"),
 }
 OTHER_SERVERS = ("llamacpp-1t", "hf", *TS_VARIANTS)  # known, not run unless asked
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt

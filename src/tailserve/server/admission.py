@@ -2,9 +2,15 @@
 
 Refuses early (503, or 429 with a Retry-After) instead of queueing work that would miss its SLO;
 it never queues or touches engine state itself, it only counts tickets and reads engine estimates.
+The engine's estimates are scaled by what admission learned of their error (WaitCorrection).
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 
 from tailserve.engine.request import SloTarget
 from tailserve.errors import RequestRejectedError
@@ -13,30 +19,88 @@ from tailserve.server.engine_api import Engine
 from tailserve.server.errors import ServiceUnavailableError
 
 
+class WaitCorrection:
+    """How far the engine's TTFT predictions fall from what happens, learned while serving.
+
+    The engine prices the work queued ahead of a newcomer when it arrives. Work that arrives later
+    and goes first (a shorter prompt under `slo`'s order, a request past saving taking the next free
+    slot) is not in that price, so under heavy load the prediction runs short, and admission lets in
+    requests that then miss their target slowly instead of refusing them at once. Each admitted
+    request that had real work ahead of it (a prediction of at least MIN_SHARE of its TTFT target)
+    teaches the ratio of its actual TTFT to the prediction; the factor is the median of the latest
+    WINDOW ratios no older than MAX_AGE_S, within BOUNDS, and 1 until MIN_SAMPLES are in. It falls
+    back as the load does: requests admitted under a large factor wait less and teach smaller ratios.
+    A factor under 1 (the engine over-predicting) lets more in, which the next ratios check.
+    """
+
+    WINDOW = 64
+    MIN_SAMPLES = 16
+    MAX_AGE_S = 60.0
+    MIN_SHARE = 0.25
+    BOUNDS = (0.5, 4.0)
+
+    def __init__(self, enabled: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.enabled = enabled
+        self.clock = clock
+        self._ratios: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (when, actual / predicted)
+
+    def teaches(self, predicted_s: float, ttft_target_s: float) -> bool:
+        """Whether a request admitted with this prediction will teach a ratio: only a wait the
+        engine priced (fixed per-step costs dominate a shorter one)."""
+        return self.enabled and predicted_s > 0 and predicted_s >= self.MIN_SHARE * ttft_target_s
+
+    def record(self, predicted_s: float, actual_s: float) -> None:
+        self._ratios.append((self.clock(), actual_s / predicted_s))
+
+    def factor(self) -> float:
+        """What admission multiplies the engine's predictions by now."""
+        if not self.enabled:
+            return 1.0
+        oldest = self.clock() - self.MAX_AGE_S
+        while self._ratios and self._ratios[0][0] < oldest:
+            self._ratios.popleft()
+        if len(self._ratios) < self.MIN_SAMPLES:
+            return 1.0
+        low, high = self.BOUNDS
+        return min(max(statistics.median(r for _, r in self._ratios), low), high)
+
+
 class Ticket:
     """One admitted request: counted as not-yet-started until its first token, in flight until done.
 
-    `estimate_s` is the TTFT that admission predicted for it on arrival (0 when nothing was ahead:
-    an idle server does not price a lone prompt); responses report it, so a client can check how
-    far admission's predictions are from what happened (docs/INTERFACES.md)."""
+    `estimate_s` is the TTFT that admission predicted for it on arrival, the engine's prediction
+    times the learned correction (0 when nothing was ahead: an idle server does not price a lone
+    prompt); responses report it, so a client can check how far admission's predictions are from
+    what happened (docs/INTERFACES.md). A ticket whose engine prediction `teaches` the correction
+    records its actual TTFT there when its first output arrives."""
 
-    def __init__(self, admission: Admission, estimate_s: float = 0.0) -> None:
+    def __init__(
+        self, admission: Admission, estimate_s: float = 0.0, predicted_s: float = 0.0, teaches: bool = False
+    ) -> None:
         self._admission = admission
         self.estimate_s = estimate_s
+        self._predicted_s = predicted_s
+        self._teaches = teaches
+        self._admitted_at = admission.correction.clock()
         self._started = False
         self._done = False
 
-    def started(self) -> None:
-        """The first output arrived: the request left the queue."""
-        if not self._started:
-            self._started = True
-            self._admission.not_started -= 1
+    def started(self, teach: bool = True) -> None:
+        """The first output arrived: the request left the queue. `teach=False`: the first output was
+        awaited together with others' (a list of prompts), so its time is not this request's own."""
+        if self._started:
+            return
+        self._started = True
+        self._admission.not_started -= 1
+        if teach and self._teaches:
+            correction = self._admission.correction
+            correction.record(self._predicted_s, correction.clock() - self._admitted_at)
 
     def done(self) -> None:
-        """The response is complete (or abandoned); idempotent."""
+        """The response is complete (or abandoned: nothing learned); idempotent."""
         if self._done:
             return
-        self.started()
+        self.started(teach=False)
         self._done = True
         self._admission.release()
 
@@ -44,8 +108,9 @@ class Ticket:
 class Admission:
     """Readiness, draining and the admission decision for one server (event-loop thread only)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, correction: WaitCorrection | None = None) -> None:
         self._engine = engine
+        self.correction = correction or WaitCorrection()
         self.ready = False
         self.not_started = 0
         self.drain = Drain()
@@ -79,7 +144,8 @@ class Admission:
         ttft_s = slo.ttft_s if slo is not None and slo.ttft_s is not None else limits.slo_ttft_s
         # The estimate counts every request handed to engine.generate(), seen by a step or not, and
         # leaves out work past saving (it only keeps a reserve of each step: docs/ENGINE.md).
-        wait_s = self._engine.estimate_wait_s(num_prompt_tokens, ttft_s)
+        predicted_s = self._engine.estimate_wait_s(num_prompt_tokens, ttft_s)
+        wait_s = predicted_s * self.correction.factor()
         # The engine counts its own queue; our count also covers requests handed over but not yet seen
         # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.
         queued = max(self._engine.stats().num_waiting, self.not_started - limits.max_num_seqs)
@@ -87,14 +153,19 @@ class Admission:
             message = f"Server overloaded: {queued} requests are already waiting (limit {limits.max_waiting})"
             raise RequestRejectedError(message, retry_after_s=max(1.0, wait_s), reason="queue_full")
         if wait_s > ttft_s:
+            learned = (
+                ""
+                if wait_s == predicted_s
+                else f" (the engine's {predicted_s:.2f}s x the learned correction)"
+            )
             message = (
-                f"Server overloaded: predicted queue wait {wait_s:.2f}s exceeds the "
+                f"Server overloaded: predicted queue wait {wait_s:.2f}s{learned} exceeds the "
                 f"time-to-first-token target of {ttft_s:.2f}s"
             )
             raise RequestRejectedError(message, retry_after_s=wait_s - ttft_s, reason="slo")
         self.drain.enter()
         self.not_started += 1
-        return Ticket(self, wait_s)
+        return Ticket(self, wait_s, predicted_s, self.correction.teaches(predicted_s, ttft_s))
 
     def release(self) -> None:
         """Called by Ticket.done()."""

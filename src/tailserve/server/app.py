@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from tailserve.engine.request import SamplingParams
 from tailserve.errors import RequestRejectedError, TailserveError
-from tailserve.server.admission import Admission
+from tailserve.server.admission import Admission, WaitCorrection
 from tailserve.server.config import ServerConfig
 from tailserve.server.engine_api import Engine
 from tailserve.server.errors import (
@@ -62,8 +62,9 @@ class ServerState:
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """A ready-to-serve ASGI app around an engine that is constructed but not yet started."""
-    admission = Admission(engine)
+    admission = Admission(engine, WaitCorrection(enabled=config.admission_correction))
     metrics = ServerMetrics(engine.stats, lambda: admission.serving)
+    metrics.admission_correction.set_function(admission.correction.factor)
     state = ServerState(engine, config, admission, metrics, int(time.time()))
     slo_classes = config.slo_classes or SloClasses.builtin(engine.config.scheduler)
     serving = Serving(engine, admission, metrics, config.max_tokens_default, config.generation, slo_classes)

@@ -87,6 +87,12 @@ def register(subparsers: Any) -> None:
     )
     s.add_argument("--slo-tpot", type=float, default=0.150, help="TPOT target, seconds per token")
     s.add_argument(
+        "--no-admission-correction",
+        action="store_true",
+        help="admit on the engine's TTFT predictions as they are, not scaled by the error learned "
+        "from admitted requests (tailserve_admission_correction)",
+    )
+    s.add_argument(
         "--slo-classes",
         default=None,
         metavar="FILE",
@@ -187,6 +193,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         warmup=not args.no_warmup,
         slo_classes=slo_classes,
         switch_interval_s=args.switch_interval_ms / 1000,
+        admission_correction=not args.no_admission_correction,
     )
     return engine, server
 

@@ -33,6 +33,9 @@ class ServerConfig:
     # Python's GIL switch interval in this process (default: Python's own 5 ms): how long the engine
     # thread may wait for the GIL back from the HTTP thread after each model call (docs/ENGINE.md).
     switch_interval_s: float = 0.005
+    # Admission scales the engine's TTFT predictions by the error it learned from admitted requests
+    # (server/admission.py WaitCorrection); False: the engine's predictions as they are.
+    admission_correction: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

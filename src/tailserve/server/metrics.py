@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -202,6 +202,13 @@ class ServerMetrics:
             ["slo_class", "result"],
             registry=r,
         )
+        self.admission_correction = Gauge(
+            "tailserve_admission_correction",
+            "What admission multiplies the engine's TTFT predictions by: the median actual / predicted "
+            "TTFT of recent admitted requests that waited (1 until enough have).",
+            registry=r,
+        )
+        self.admission_correction.set(1.0)  # the app reads the live factor (set_function)
         self.errors = Counter(
             "tailserve_request_errors", "Error responses, by HTTP status.", ["status"], registry=r
         )

@@ -194,7 +194,7 @@ class Serving:
             if firsts is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             for run in runs:
-                run.ticket.started()
+                run.ticket.started(teach=False)  # awaited together: no first token of its own time
             if inputs[0].stream:
                 handed_over = True
                 counted = [not i.shares_prompt for i in inputs]
