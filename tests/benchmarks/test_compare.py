@@ -485,6 +485,20 @@ def test_interleaved_rounds_alternate_the_order_and_resume(tmp_path: Path) -> No
     assert "interleaved rounds of ts-slo's probes: nothing left" in (tmp_path / "progress.log").read_text()
 
 
+def test_rounds_on_a_prefix_caching_workload_draw_new_conversations() -> None:
+    """Servers stay up between rounds: replaying round 1's conversations would hit the prefix cache
+    round 1 filled. Long-tail rounds keep the probe's prompts; multi-turn rounds from 2 on draw their
+    own, the same for every server of the round."""
+    from compare.run import point_seed, round_prompts
+
+    probe = {"name": "probe-02", "rate": 1.6}
+    assert {round_prompts(probe, r, plan.LONGTAIL) for r in (1, 2, 3)} == {"probe-02"}
+    names = [round_prompts(probe, r, plan.MULTITURN) for r in (1, 2, 3)]
+    assert names[0] == "probe-02"
+    assert len({point_seed(0, n) for n in names}) == 3
+    assert round_prompts({"name": "replay-x", "prompts_of": "probe-05"}, 1, plan.MULTITURN) == "probe-05"
+
+
 def test_an_interleaved_verdict_needs_the_same_side_in_every_round(tmp_path: Path) -> None:
     store = Store(tmp_path)
     for key in ("ts-slo", "vllm"):
