@@ -54,7 +54,6 @@ TS_VARIANTS = {
     "ts-slo-tpot90": (("--slo-tpot", "0.09"), "tailserve (slo, plans to a TPOT of 90 ms)"),
     # the A/B of admission's learned correction of the engine's TTFT predictions
     "ts-slo-rawadm": (("--no-admission-correction",), "tailserve (slo, admission on raw predictions)"),
-    "ts-slo-pace2": (("--pace-slowdown", "2"), "tailserve (slo, prefill paced to 2x idle TTFT)"),
 }
 OTHER_SERVERS = ("llamacpp-1t", "hf", *TS_VARIANTS)  # known, not run unless asked
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt

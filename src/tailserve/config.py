@@ -118,10 +118,6 @@ class SchedulerConfig:
     # TTFT target goes earliest deadline first; above it, least prompt x target first. 1: deadline
     # order for all (the least maximum lateness); 0: Smith's rule until a prompt is past saving.
     urgent_slack: float = 0.25
-    # slo: while streams decode, prefill a prompt only as fast as it needs to have its first token by
-    # this many times its idle prefill time (within the target less its urgent slack), so the steps
-    # stay short and every stream's gaps even; 0: prefill as fast as the TPOT cap allows.
-    pace_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -146,10 +142,6 @@ class SchedulerConfig:
         )
         _require(
             0.0 <= self.urgent_slack <= 1.0, f"--urgent-slack must be in [0, 1], got {self.urgent_slack}"
-        )
-        _require(
-            self.pace_slowdown == 0 or self.pace_slowdown >= 1,
-            f"--pace-slowdown must be 0 (off) or at least 1, got {self.pace_slowdown}",
         )
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from tailserve.config import SchedulerConfig
-from tailserve.engine.request import Request, RequestStatus, tpot_target_s, ttft_target_s
+from tailserve.engine.request import Request, tpot_target_s, ttft_target_s
 from tailserve.engine.stats import StepTimer
 
 Pending = tuple[int, float, float]  # a queued prompt: (tokens left, TTFT deadline, TTFT target)
@@ -57,10 +57,6 @@ class SchedulePolicy(Protocol):
 
     def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int: ...
 
-    def pace_cap(self, order: PrefillOrder, decodes: Sequence[Request], cap: int, now: float) -> int: ...
-
-    def paced_ttft_s(self, work_tokens: int, ttft_s: float) -> float: ...
-
 
 class FcfsPolicy:
     """First come, first served: the baseline."""
@@ -88,12 +84,6 @@ class FcfsPolicy:
 
     def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int:
         return cap
-
-    def pace_cap(self, order: PrefillOrder, decodes: Sequence[Request], cap: int, now: float) -> int:
-        return cap  # prefill as fast as the budget allows
-
-    def paced_ttft_s(self, work_tokens: int, ttft_s: float) -> float:
-        return 0.0
 
 
 class SloPolicy:
@@ -201,51 +191,6 @@ class SloPolicy:
             room = tpot * (done_gaps + 1 + gaps_after) - (now - r.timings.first_token) - gaps_after * future_s
             budgets.append(min(max(room, tpot), self.MAX_ITL_FACTOR * tpot))
         return min(budgets, default=self.config.slo_tpot_s)
-
-    def _idle_ttft_s(self, work_tokens: int) -> float:
-        """A prompt's prefill alone on the engine, at the current step-time model."""
-        return self.timer.estimate_s(work_tokens, 0)
-
-    def paced_ttft_s(self, work_tokens: int, ttft_s: float) -> float:
-        """When a paced prompt is due: --pace-slowdown x its idle prefill, within the part of its TTFT
-        target before it turns urgent; 0 when pacing is off."""
-        if self.config.pace_slowdown <= 0:
-            return 0.0
-        return min(self.config.pace_slowdown * self._idle_ttft_s(work_tokens), (1 - self.config.urgent_slack) * ttft_s)
-
-    def pace_cap(self, order: PrefillOrder, decodes: Sequence[Request], cap: int, now: float) -> int:
-        """Prefill tokens this step needs so every queued prompt, in the order they get budget, has its
-        first token by its paced due time (`paced_ttft_s` after its arrival), at most `cap`.
-
-        Prefill that runs ahead of what the prompts need only makes the streams' steps long: one
-        step of a whole budget of prompt tokens is a 10x gap in a stream that decodes in 15 ms. Spread
-        over the steps up to the due time, the same prompt costs each stream a little per step. With
-        k prompt tokens a step, C tokens take C / k steps of (decode step + k x token price), so the
-        prompts up to the i-th are done by its due time when k >= C_i x decode step /
-        (time left - C_i x token price). A prompt that cannot make its due time (the time left is
-        under its prefill alone), a resumed stream or a request past saving takes the whole cap:
-        pacing only holds back prefill that has time to spare. Off without decodes (no stream to
-        protect) and with --pace-slowdown 0."""
-        if self.config.pace_slowdown <= 0 or not decodes or order.past_saving or cap <= self.min_chunk:
-            return cap
-        step_s, per_token = self.timer.coefficients()
-        if step_s <= 0 or per_token <= 0:
-            return cap  # no timing yet
-        need, queued = 0, 0
-        for r in order.savable:
-            if r.timings.first_token is not None:
-                return cap  # a preempted stream resumes: its gap is already growing
-            queued += r.prompt_work_tokens
-            cached = r.expected_cached_tokens if r.status is RequestStatus.WAITING else r.timings.cached_tokens
-            work = max(r.num_prompt_tokens - cached, 1)
-            due = r.timings.arrival + self.paced_ttft_s(work, ttft_target_s(r.params, self.config.slo_ttft_s))
-            spare = due - now - step_s - queued * per_token  # the last step yields the first token
-            if spare <= 0:
-                return cap
-            need = max(need, math.ceil(queued * step_s / spare))
-            if need >= cap:
-                return cap
-        return max(need, self.min_chunk)
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return min(

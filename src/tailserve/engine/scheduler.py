@@ -90,11 +90,10 @@ class Scheduler:
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
         now = time.monotonic()
-        decodes = [r for r, _ in plan.scheduled]
-        plan.prefill_cap = self.policy.prefill_cap(decodes, budget, now)
+        plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
+        left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
         order = self.policy.order_prefills(candidates, now)
-        left = self.policy.pace_cap(order, decodes, min(budget, plan.prefill_cap), now)
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
         # A late request still waiting for a sequence slot has the next free one: savable newcomers
@@ -304,8 +303,6 @@ class Scheduler:
         prefill_s = 0.0
         if ahead:
             prefill_s = self.timer.estimate_s(ahead + num_prompt_tokens, snapshot.num_running, per_step)
-            if snapshot.num_running:  # paced (--pace-slowdown): due no sooner than its paced time
-                prefill_s = max(prefill_s, policy.paced_ttft_s(num_prompt_tokens, target))
         if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
             return prefill_s  # room in the batch for everyone queued and the newcomer
         # Ahead of it for a slot: what the policy prefills first, and late requests (the next free

@@ -117,14 +117,6 @@ def register(subparsers: Any) -> None:
         help="slo: a prompt goes earliest-deadline-first once its slack is under this share of its "
         "TTFT target, shortest (prompt x target) first before (1: deadline order for all)",
     )
-    s.add_argument(
-        "--pace-slowdown",
-        type=float,
-        default=0.0,
-        metavar="G",
-        help="slo: while streams decode, prefill each prompt only as fast as it needs to reach its first "
-        "token by G x its idle prefill time, so steps stay short and token gaps even (0: off)",
-    )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     h.add_argument("--port", type=int, default=8000)
@@ -186,7 +178,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             prefill_floor=args.prefill_floor,
             past_saving_share=args.past_saving_share,
             urgent_slack=args.urgent_slack,
-            pace_slowdown=args.pace_slowdown,
         ),
     )
     scheduler = engine.scheduler
