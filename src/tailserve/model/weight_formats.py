@@ -248,6 +248,97 @@ def pack_int8(rows: Int8Rows) -> PackedInt8:
     return PackedInt8(rows.codes.contiguous(), rows.scale.to(torch.bfloat16))
 
 
+@dataclass
+class PackedW8A8:
+    """Prompt rows as int8 x int8: the weight's per-output-row int8 codes laid out [K, N] for
+    torch._int_mm, and each call's rows quantized per row (scale = max|x| / 127, nearest even). The
+    int32 sums are exact, so a row's result never depends on its batch.
+
+    A layer input's few outlier channels (`outliers`, found once by calibration: model/w8a8.py) stay
+    out of the int8 product: their codes are 0 on both sides and their bf16 product is added to
+    the sums. A handful of channels run 10-200x above the rest of a row in this family of models;
+    left in, they set every row's scale and flatten the typical value to a few of the 127 levels.
+    Quantizing and the float epilogue run on the fused CPU kernels when they load, else on torch
+    ops (same codes; the epilogue may differ by one bf16 rounding)."""
+
+    codes: torch.Tensor  # int8 [K, N], contiguous (0 on outlier channels)
+    scale: torch.Tensor  # float32 [N]
+    bias: torch.Tensor | None  # float32 [N]
+    lib: ctypes.CDLL | None
+    outliers: torch.Tensor | None = None  # int64 [k]: input channels run in float32
+    skip: torch.Tensor | None = None  # uint8 [K]: 1 on the outlier channels
+    outlier_weight: torch.Tensor | None = None  # bf16 [N, k]: the weight's outlier columns
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16, contiguous -> [M, N] bf16."""
+        rows, k = x.shape
+        add = None
+        if self.outliers is not None:
+            assert self.outlier_weight is not None
+            add = F.linear(x.index_select(1, self.outliers), self.outlier_weight).contiguous()
+        if self.lib is None:
+            q, row_scale = quantize_rows(x, self.skip)
+            acc = torch._int_mm(q, self.codes)
+            out = acc.float().mul_(row_scale[:, None]).mul_(self.scale)
+            if self.bias is not None:
+                out += self.bias
+            if add is not None:
+                out += add.float()
+            return out.to(torch.bfloat16)
+        q = torch.empty(rows, k, dtype=torch.int8)
+        row_scale = torch.empty(rows, dtype=torch.float32)
+        skip = None if self.skip is None else ptr(self.skip)
+        self.lib.ts_quant_rows_i8(ptr(x), rows, k, skip, ptr(q), ptr(row_scale))
+        acc = torch._int_mm(q, self.codes)
+        n = acc.shape[1]
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        bias = None if self.bias is None else ptr(self.bias)
+        self.lib.ts_dequant_rows(
+            ptr(acc),
+            rows,
+            n,
+            ptr(row_scale),
+            ptr(self.scale),
+            bias,
+            None if add is None else ptr(add),
+            ptr(out),
+        )
+        return out
+
+
+def quantize_rows(x: torch.Tensor, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x symmetric to int8, channels marked in `skip` left out (code 0): (codes int8
+    [M, K], scale float32 [M]); what ts_quant_rows_i8 computes (a row of zeros: scale 0, codes 0)."""
+    xf = x.float()
+    if skip is not None:
+        xf = xf.masked_fill(skip.bool(), 0.0)
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = (xf * inv[:, None]).round().to(torch.int8)
+    return q, amax / 127.0
+
+
+def pack_w8a8(
+    w: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL | None, outliers: torch.Tensor | None = None
+) -> PackedW8A8:
+    """The prompt-row int8 layout of a float weight [N, K] (per-output-row symmetric codes,
+    int8_from_float), with the input channels `outliers` kept apart in float32: the codes' row
+    scales come from the other channels only."""
+    wf = w.detach().float()
+    skip = outlier_weight = None
+    if outliers is not None:
+        outliers = outliers.to(torch.int64).contiguous()
+        skip = torch.zeros(wf.shape[1], dtype=torch.uint8)
+        skip[outliers] = 1
+        outlier_weight = wf.index_select(1, outliers).to(torch.bfloat16).contiguous()
+        wf = wf.masked_fill(skip.bool(), 0.0)
+    rows = int8_from_float(wf)
+    b = None if bias is None else bias.detach().float().contiguous()
+    return PackedW8A8(
+        rows.codes.t().contiguous(), rows.scale.float().contiguous(), b, lib, outliers, skip, outlier_weight
+    )
+
+
 # --- the fused CPU kernels' AMX layouts (cpu_kernels.c: ts_q4_matmul, ts_q8_matmul) ------------
 
 _TILE_N = 16  # output channels per tile
