@@ -11,7 +11,7 @@ from tailserve.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "slo")
 DTYPES = ("auto", "float32", "bfloat16")  # deprecated alias of --weight-format (fp32 / bf16)
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4", "int8", "int4-w8a8")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4", "int8")
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16")
 _DTYPE_TO_WEIGHT_FORMAT = {"float32": "fp32", "bfloat16": "bf16"}
 DEVICES = ("auto", "cpu", "cuda")

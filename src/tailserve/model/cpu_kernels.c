@@ -33,7 +33,7 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 4; }
+int ts_abi_version(void) { return 3; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
@@ -974,81 +974,6 @@ void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_ca
     const attention_job job = {q, k_cache, v_cache, q_stride, table_width, heads, kv_heads, dim, block_size, max_len,
                                block_tables, lens, out, scale};
     parallel_chunks(attention_chunk, &job, seqs);
-}
-
-/* --- Prompt rows on int8 x int8 (the w8a8 prefill kernel; the GEMM itself is torch._int_mm) ------
- *
- * Each row of x is quantized on its own: scale = max|x| / 127, q = nearest(x * 127 / max|x|), so a
- * row's codes never depend on the rows around it, and the int32 sums of the GEMM are exact. Channels
- * marked in `skip` (a layer input's few outlier channels, run in float beside the GEMM) are left out
- * of the maximum and get code 0. A row of zeros gets scale 0 and codes 0. */
-typedef struct {
-    const bf16 *x;
-    int64_t k;
-    const uint8_t *skip;
-    int8_t *q;
-    float *scale;
-} quant_args;
-
-static void quant_rows(const void *arg, int64_t r0, int64_t r1) {
-    const quant_args *a = (const quant_args *)arg;
-    const int64_t k = a->k;
-    const uint8_t *skip = a->skip;
-    for (int64_t r = r0; r < r1; r++) {
-        const bf16 *x = a->x + r * k;
-        int8_t *q = a->q + r * k;
-        float amax = 0.0f;
-        if (skip == NULL)
-            for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(x[i])));
-        else
-            for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, skip[i] ? 0.0f : fabsf(bf16_to_f32(x[i])));
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        a->scale[r] = amax / 127.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float v = rintf(bf16_to_f32(x[i]) * inv); /* |v| <= 127 by construction (skipped: 0) */
-            q[i] = (skip != NULL && skip[i]) ? 0 : (int8_t)(int32_t)fminf(fmaxf(v, -127.0f), 127.0f);
-        }
-    }
-}
-
-/* x bf16 [rows, k] -> q int8 [rows, k], scale float32 [rows]; skip uint8 [k] or NULL. */
-void ts_quant_rows_i8(const bf16 *x, int64_t rows, int64_t k, const uint8_t *skip, int8_t *q, float *scale) {
-    const quant_args a = {x, k, skip, q, scale};
-    parallel_rows(quant_rows, &a, rows, k);
-}
-
-typedef struct {
-    const int32_t *acc;
-    int64_t n;
-    const float *row_scale, *col_scale, *bias;
-    const bf16 *add;
-    bf16 *out;
-} dequant_args;
-
-static void dequant_rows(const void *arg, int64_t r0, int64_t r1) {
-    const dequant_args *a = (const dequant_args *)arg;
-    const int64_t n = a->n;
-    for (int64_t r = r0; r < r1; r++) {
-        const int32_t *acc = a->acc + r * n;
-        const bf16 *add = a->add == NULL ? NULL : a->add + r * n;
-        bf16 *o = a->out + r * n;
-        const float s = a->row_scale[r];
-        for (int64_t j = 0; j < n; j++) {
-            float v = (float)acc[j] * s * a->col_scale[j];
-            if (a->bias != NULL) v += a->bias[j];
-            if (add != NULL) v += bf16_to_f32(add[j]);
-            o[j] = f32_to_bf16(v);
-        }
-    }
-}
-
-/* out[r, j] = bf16(acc[r, j] * row_scale[r] * col_scale[j] (+ bias[j]) (+ add[r, j])): the int32
- * sums of quantized rows back to the activation dtype. acc int32 [rows, n]; bias float32 [n] or
- * NULL; add bf16 [rows, n] or NULL (the outlier channels' bf16 product). */
-void ts_dequant_rows(const int32_t *acc, int64_t rows, int64_t n, const float *row_scale, const float *col_scale,
-                     const float *bias, const bf16 *add, bf16 *out) {
-    const dequant_args a = {acc, n, row_scale, col_scale, bias, add, out};
-    parallel_rows(dequant_rows, &a, rows, n);
 }
 
 /* Lay int4 codes [n_out, k] (one code a byte, 0..15; n_out a multiple of 16, k of 32) out as

@@ -28,7 +28,7 @@ from tailserve.model.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 4
+ABI_VERSION = 3
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 # Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
@@ -48,8 +48,6 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_q4_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_q4_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_pack_q4": [_P, _I, _I, _P],
-    "ts_quant_rows_i8": [_P, _I, _I, _P, _P, _P],
-    "ts_dequant_rows": [_P, _I, _I, _P, _P, _P, _P, _P],
     "ts_apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
 }
 
@@ -158,13 +156,6 @@ def amx() -> ctypes.CDLL | None:
 def tile_matmuls() -> ctypes.CDLL | None:
     """The kernels if their int4 layer and Q8_0 head matmuls run here (on AMX or AVX512-BF16)."""
     return load() if tile_isa() > 0 else None
-
-
-def int8_dot() -> bool:
-    """Whether the CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX-INT8), which
-    run int8 x int8 GEMMs (torch._int_mm) at about twice bf16's rate; without them they are slower."""
-    flags = set(_cpu_flags().split())
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def _cpu_flags() -> str:

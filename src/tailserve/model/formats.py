@@ -40,12 +40,6 @@ PLANS = {
     # float32 sums. Where those are missing, plan_for makes them bf16.
     "int4": FormatPlan(decode="int4", prefill="int4", head="q8"),
     "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
-    # int4 decode rows and head as above; prompt rows of qkv, o and gate|up int8 x int8 (torch._int_mm,
-    # exact int32 sums): each row quantized on its own (scale max|x| / 127) but for each input's
-    # outlier channels, found by a calibration forward at build (model/w8a8.py) and run in float32;
-    # down's prompt rows stay bf16. Faster prefill where int8 dot products run at twice bf16's rate
-    # (AVX512-VNNI); see docs/ENGINE.md.
-    "int4-w8a8": FormatPlan(decode="int4", prefill="w8a8", head="q8"),
 }
 
 
@@ -55,7 +49,7 @@ def resolve_format(weight_format: str, device: torch.device) -> str:
         return AUTO_CPU_FORMAT if device.type == "cpu" else "bf16"
     if weight_format not in PLANS:
         raise ConfigError(f"--weight-format must be one of auto, {', '.join(PLANS)}, got {weight_format!r}")
-    if device.type != "cpu" and weight_format in ("int4", "int8", "int4-w8a8"):
+    if device.type != "cpu" and weight_format in ("int4", "int8"):
         raise ConfigError(f"--weight-format {weight_format} runs on CPU only; use bf16 on {device.type}")
     return weight_format
 
@@ -78,11 +72,6 @@ def plan_for(
         head = "bf16" if head == "q8" else head
     if not cpu or cpu_kernels.amx() is None:
         prefill = "bf16" if prefill == "int4" else prefill
-    if prefill == "w8a8" and not (cpu and cpu_kernels.int8_dot()):
-        raise ConfigError(
-            f"--weight-format {weight_format} needs int8 dot products (AVX512-VNNI, AVX-VNNI or AMX), "
-            "which this CPU lacks; use int4"
-        )
     return FormatPlan(plan.decode, prefill, head, dense_decode_from_rows)
 
 
@@ -138,9 +127,4 @@ def build_model(
     model = TransformerLM(arch, weights, max_positions, plan, int4, head_weight, head_int8)
     if tp is not None:
         model.shard_over(tp)
-    model = model.to(device)
-    if plan.prefill == "w8a8":
-        from tailserve.model import w8a8
-
-        w8a8.calibrate(model, w8a8.calibration_ids(model, getattr(loaded.tokenizer, "encode", None)))
-    return model
+    return model.to(device)

@@ -1,9 +1,8 @@
 """A linear layer whose weight is held in the format each phase of a step runs.
 
 The flattened batch holds the step's decode rows first: they go through the decode kernel (int4 or
-int8 weight-only where that wins), the prefill rows after them through the prefill one (bf16, the
-int4 groups widened on AMX, or int8 x int8 with per-row activation scales), so a row's arithmetic
-depends on its phase, never on who shares the step. Never picks a format by batch size.
+int8 weight-only where that wins), the prefill rows after them through the prefill one (bf16), so a
+row's arithmetic depends on its phase, never on who shares the step. Never picks a format by batch size.
 """
 
 from __future__ import annotations
@@ -20,14 +19,12 @@ from tailserve.model.weight_formats import (
     Int4Groups,
     PackedInt4,
     PackedInt8,
-    PackedW8A8,
     concat_int4,
     int4_from_float,
     int8_from_float,
     pack_amx_int4,
     pack_int4,
     pack_int8,
-    pack_w8a8,
 )
 
 KERNELS = ("fp32", "bf16", "int4", "int8")
@@ -77,15 +74,9 @@ class Linear(nn.Module):
         # Opt-in and batch-dependent: steps with at least this many decode rows run them dense too.
         self.dense_decode_from_rows = dense_decode_from_rows
         amx_prefill = prefill == "int4"  # prompt rows on the AMX kernel from the int4 groups, no dense copy
-        # Prompt rows int8 x int8 once calibrated (use_w8a8); until then on the dense bf16 copy.
-        w8a8_prefill = prefill == "w8a8"
         if (
             decode not in KERNELS
-            or (
-                prefill not in _DENSE_DTYPES
-                and not (amx_prefill and decode == "int4")
-                and not (w8a8_prefill and decode in ("int4", "int8"))
-            )
+            or (prefill not in _DENSE_DTYPES and not (amx_prefill and decode == "int4"))
             or (prefill == "fp32") != (decode == "fp32")
         ):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
@@ -110,9 +101,6 @@ class Linear(nn.Module):
         if amx_prefill and (self.amx4 is None or cpu_kernels.amx() is None):
             raise ValueError("prefill int4 needs the fused CPU kernels with AMX")
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
-        self.w8a8: PackedW8A8 | None = None  # set by use_w8a8
-        # While not None, each prompt-row call raises it to the largest |input| per channel (calibration).
-        self.input_amax: torch.Tensor | None = None
         self.bias = (
             None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
         )
@@ -129,12 +117,7 @@ class Linear(nn.Module):
         return torch.cat([self.decode_matmul(x[:num_decodes]), self.prefill_matmul(x[num_decodes:])])
 
     def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] contiguous through the prompt-row kernel: the dense copy, the AMX int4 widening,
-        or int8 x int8."""
-        if self.w8a8 is not None:
-            return self.w8a8.matmul(x)
-        if self.input_amax is not None:
-            torch.maximum(self.input_amax, x.float().abs().amax(0), out=self.input_amax)
+        """x [M, K] contiguous through the prompt-row kernel: the dense copy, or the AMX int4 widening."""
         if self.weight is None:
             assert self.amx4 is not None
             return self.amx4.prefill_matmul(x)
@@ -148,14 +131,6 @@ class Linear(nn.Module):
             )
             return out
         return F.linear(x, self.weight, self.bias)
-
-    def use_w8a8(self, outliers: torch.Tensor) -> None:
-        """Prompt rows on int8 x int8 from now on, the input channels `outliers` kept in float32
-        (a w8a8 plan, after calibration): codes from the dense bf16 copy, which is then dropped."""
-        if self.prefill_kernel != "w8a8" or self.weight is None:
-            raise ValueError(f"use_w8a8 needs a w8a8 plan's dense weight (prefill {self.prefill_kernel!r})")
-        self.w8a8 = pack_w8a8(self.weight, self.bias, cpu_kernels.load(), outliers)
-        self.weight, self.onednn, self.input_amax = None, None, None
 
     def pack_for_cpu(self) -> None:
         """Keep the bf16 weight also in oneDNN's blocked layout, reordered once here instead of inside
@@ -194,9 +169,6 @@ class Linear(nn.Module):
             kept += [self.amx4.packed, self.amx4.scale, self.amx4.shifted_min]
         if self.int8 is not None:
             kept += [self.int8.codes, self.int8.scale]
-        if self.w8a8 is not None:
-            kept += [self.w8a8.codes, self.w8a8.scale]
-            kept += [] if self.w8a8.outlier_weight is None else [self.w8a8.outlier_weight]
         if self.onednn is not None:
             kept.append(self.onednn)
         return sum(t.numel() * t.element_size() for t in kept)

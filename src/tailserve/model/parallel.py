@@ -53,11 +53,6 @@ def check_shardable(arch: ArchConfig, size: int, weight_format: str) -> TensorPa
         raise ConfigError(
             f"--tensor-parallel-size {size} does not divide the MLP width {arch.intermediate_size}"
         )
-    if weight_format == "int4-w8a8" and size > 1:
-        # Its outlier channels come from one calibration forward over the whole model.
-        raise ConfigError(
-            "--weight-format int4-w8a8 does not shard yet; use int4 with --tensor-parallel-size > 1"
-        )
     if weight_format == "int4" and size > 1:
         # Row-parallel int4 weights split along K on the 32-wide groups.
         for what, width in (

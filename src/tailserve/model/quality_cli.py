@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("fp32", "bf16", "int4", "int8", "int4-w8a8")
+FORMATS = ("fp32", "bf16", "int4", "int8")
 
 
 def register(subparsers: Any) -> None:

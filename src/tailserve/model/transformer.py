@@ -47,7 +47,7 @@ class FormatPlan:
     """Which kernel each part of the model runs: layer linears per phase, and the LM head on its own."""
 
     decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
-    prefill: str  # layer linears on prefill rows: fp32, bf16, int4 (AMX: groups widened to bf16), w8a8
+    prefill: str  # layer linears on prefill rows: fp32, bf16, or int4 (AMX: groups widened to bf16)
     head: str  # the LM head, every sampled row: fp32, bf16, int8, q8 (int4 offered, hurts quality)
     # Opt-in, never a default: steps with at least this many decode rows run them on the prefill
     # kernel (bf16 beats int4 from ~16 rows). A request's tokens then depend on the batch it is in.
@@ -105,9 +105,11 @@ class DecoderLayer(nn.Module):
         def src(name: str) -> WeightSource:
             return WeightSource(w[prefix + name], int4.get(prefix + name))
 
-        def linear(names: list[str], bias: list[str] | None = None, prefill: str = plan.prefill) -> Linear:
+        def linear(names: list[str], bias: list[str] | None = None) -> Linear:
             b = torch.cat([w[prefix + n] for n in bias]) if bias else None
-            return Linear(fuse([src(n) for n in names]), b, plan.decode, prefill, plan.dense_decode_from_rows)
+            return Linear(
+                fuse([src(n) for n in names]), b, plan.decode, plan.prefill, plan.dense_decode_from_rows
+            )
 
         a, m = "self_attn.", "mlp."
         qkv = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
@@ -115,11 +117,7 @@ class DecoderLayer(nn.Module):
         self.qkv = linear(qkv, qkv_bias)
         self.o = linear([a + "o_proj.weight"])
         self.gate_up = linear([m + "gate_proj.weight", m + "up_proj.weight"])
-        # The MLP's down input (SiLU(gate) x up) has outliers on other channels in every layer and
-        # token: on int8 it alone cost ~4 points of top-1 (docs/ENGINE.md), so a w8a8 plan keeps it bf16.
-        self.down = linear(
-            [m + "down_proj.weight"], prefill="bf16" if plan.prefill == "w8a8" else plan.prefill
-        )
+        self.down = linear([m + "down_proj.weight"])
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.qk_heads = arch.num_heads + arch.num_kv_heads
         self.q_size = arch.num_heads * arch.head_dim
