@@ -54,6 +54,8 @@ TS_VARIANTS = {
     "ts-slo-tpot90": (("--slo-tpot", "0.09"), "tailserve (slo, plans to a TPOT of 90 ms)"),
     # the A/B of admission's learned correction of the engine's TTFT predictions
     "ts-slo-rawadm": (("--no-admission-correction",), "tailserve (slo, admission on raw predictions)"),
+    # the A/B of creating every prompt-row kernel before /ready (docs/ENGINE.md "Prompt-row kernels")
+    "ts-slo-nowarm": (("--no-kernel-warmup",), "tailserve (slo, prompt-row kernels compiled on first use)"),
 }
 OTHER_SERVERS = ("llamacpp-1t", "hf", *TS_VARIANTS)  # known, not run unless asked
 CALIBRATION_LENGTHS = (64, 512, 1024)  # plus the workload's longest prompt

@@ -51,8 +51,14 @@ class EngineDeadError(TailserveError):
 class AsyncEngine:
     """Streams each request's tokens as they are produced; safe to call from any thread's event loop."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, warm_kernels: bool = False
+    ) -> None:
+        """`warm_kernels`: the step loop first creates every prompt-row kernel the step budget
+        allows (LLMEngine.warm_kernels; 5-9 s on 2 cores), so requests that arrive
+        meanwhile wait for it; the server turns it on with its warm-up."""
         self.engine = LLMEngine(config, loaded)
+        self._warm_kernels = warm_kernels
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
@@ -161,6 +167,11 @@ class AsyncEngine:
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        if self._warm_kernels:
+            try:  # on this thread: oneDNN keys a kernel by its thread count too
+                engine.warm_kernels()
+            except Exception:  # serving works without it: kernels then compile on first use
+                log.exception("creating the prompt-row kernels failed; they compile on first use")
         while not self._stopping.is_set():
             block = not engine.has_unfinished()
             if not self._drain_inbox(block):

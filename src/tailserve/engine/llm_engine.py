@@ -30,6 +30,7 @@ from tailserve.engine.scheduler import Scheduler, StepPlan
 from tailserve.engine.stats import EngineStats, QueueSnapshot, StepStats, step_kind
 from tailserve.engine.structured import GrammarCache
 from tailserve.errors import InvalidRequestError
+from tailserve.model import onednn
 from tailserve.model.builder import build_runner
 from tailserve.model.loader import LoadedModel
 from tailserve.model.runner import SeqChunk
@@ -45,6 +46,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """Build from the config; `loaded` reuses weights already in memory (tests build many engines)."""
         self.config = config
+        # Before the first oneDNN primitive of the build: room for every prompt-row kernel (warm_kernels).
+        budget = config.scheduler.max_num_batched_tokens
+        self.primitive_cache = onednn.reserve_cache(onednn.cache_entries_for(budget))
         built = build_runner(config.model, config.cache, loaded)
         self.runner = built.runner
         self.arch = built.arch
@@ -230,6 +234,23 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             return len(prompt_token_ids)
         return len(prompt_token_ids) - self.scheduler.cached_prefix_tokens(prompt_token_ids)
+
+    def warm_kernels(self) -> onednn.WarmResult:
+        """Create the prompt-row kernels of every row count the step budget allows now, so serving
+        compiles none and its memory does not grow with the prompt lengths it meets
+        (tailserve.model.onednn). Call it on the thread that runs the steps; no-op under tensor
+        parallelism (the workers hold their own shards) and where nothing runs through oneDNN."""
+        if self.runner.tp is not None:
+            return onednn.WarmResult(0, 0, 0.0)
+        linears = self.runner.model.prompt_linears()
+        budget = self.config.scheduler.max_num_batched_tokens
+        done = onednn.warm_prompt_rows(linears, budget, self.primitive_cache)
+        if done.shapes:
+            log.info(
+                "created oneDNN's prompt-row kernels for %d weight shapes x 2..%d rows in %.1f s",
+                done.shapes, done.max_rows, done.seconds,
+            )  # fmt: skip
+        return done
 
     def estimate_wait_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None, ttft_s: float | None = None

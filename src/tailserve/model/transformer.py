@@ -307,6 +307,10 @@ class TransformerLM(nn.Module):
         logits: torch.Tensor = self.lm_head(h)
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
+    def prompt_linears(self) -> list[Linear]:
+        """Every decoder layer's linears (what prompt rows run through)."""
+        return [linear for layer in self.layers for linear in cast(DecoderLayer, layer).linears()]
+
     def use_cpu_kernels(self, kv_dtype: torch.dtype) -> bool:
         """Run forward through the fused CPU kernels from now on, if they build and fit this model."""
         from tailserve.model import cpu_fused, cpu_kernels
