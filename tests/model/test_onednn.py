@@ -56,7 +56,12 @@ def _serve(mode: str) -> tuple[dict[str, int], int]:
     env = {k: v for k, v in os.environ.items() if k != onednn.CAPACITY_ENV}
     env["ONEDNN_VERBOSE"] = "profile_create"
     out = subprocess.run(
-        [sys.executable, "-c", ENGINE, mode], capture_output=True, text=True, env=env, timeout=600, check=False
+        [sys.executable, "-c", ENGINE, mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     serving = out.stdout.split("SERVING", 1)[1]

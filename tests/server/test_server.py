@@ -607,3 +607,24 @@ def test_request_without_max_tokens_stops_at_the_server_cap() -> None:
         assert chat.usage is not None and chat.usage.completion_tokens == 7
         text = c.completions.create(model=TINY, prompt="Talk", extra_body={"ignore_eos": True})
         assert text.usage is not None and text.usage.completion_tokens == 7  # under OpenAI's 16
+
+
+def test_prompts_of_any_length_create_no_kernel_once_the_server_is_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server creates its prompt-row kernels before /ready (docs/ENGINE.md "Prompt-row kernels"),
+    so requests of many prompt lengths afterwards compile nothing mid-step and take no new memory.
+    oneDNN's creation log (ONEDNN_VERBOSE) counts the kernels it created."""
+    created = "create:cache_miss,cpu,inner_product"
+    monkeypatch.setenv("ONEDNN_VERBOSE", "profile_create")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    with serve_process(["--model", "dummy:tiny", "--max-num-batched-tokens", "96"]) as server:
+        at_ready = server.log().count(created)
+        if at_ready == 0:
+            pytest.skip("no prompt row runs through oneDNN here (no fused CPU kernels, or no oneDNN)")
+        c = client(server.base)
+        for n in (3, 17, 40, 77, 95, 130, 190):  # longer than the budget: chunks of other sizes too
+            ids = [(7 * i) % 200 + 3 for i in range(n)]
+            done = c.completions.create(model=TINY, prompt=ids, max_tokens=2, extra_body={"ignore_eos": True})
+            assert done.usage is not None and done.usage.prompt_tokens == n
+        assert server.log().count(created) == at_ready

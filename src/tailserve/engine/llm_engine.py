@@ -242,6 +242,9 @@ class LLMEngine:
         parallelism (the workers hold their own shards) and where nothing runs through oneDNN."""
         if self.runner.tp is not None:
             return onednn.WarmResult(0, 0, 0.0)
+        # oneDNN keys a kernel by its thread count, which it reads from this thread's OpenMP setting:
+        # the core count until torch's first parallel op here sets torch's own, so set it first.
+        torch.set_num_threads(torch.get_num_threads())
         linears = self.runner.model.prompt_linears()
         budget = self.config.scheduler.max_num_batched_tokens
         done = onednn.warm_prompt_rows(linears, budget, self.primitive_cache)
