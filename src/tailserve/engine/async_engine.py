@@ -55,7 +55,7 @@ class AsyncEngine:
         self, config: EngineConfig, loaded: LoadedModel | None = None, warm_kernels: bool = False
     ) -> None:
         """`warm_kernels`: the step loop first creates every prompt-row kernel the step budget
-        allows (LLMEngine.warm_kernels; 5-9 s on 2 cores), so requests that arrive
+        allows (LLMEngine.warm_kernels; 3-9 s on 2 cores), so requests that arrive
         meanwhile wait for it; the server turns it on with its warm-up."""
         self.engine = LLMEngine(config, loaded)
         self._warm_kernels = warm_kernels

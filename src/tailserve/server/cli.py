@@ -140,7 +140,7 @@ def register(subparsers: Any) -> None:
     h.add_argument(
         "--no-kernel-warmup",
         action="store_true",
-        help="skip creating the CPU prompt-row kernels of every row count before /ready (saves 5-9 s of "
+        help="skip creating the CPU prompt-row kernels of every row count before /ready (saves 3-9 s of "
         "start-up on 2 cores; serving then compiles one per new row count, ~20 ms, and its memory grows as it does)",
     )
     h.add_argument(
