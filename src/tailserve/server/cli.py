@@ -199,7 +199,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         log_level=args.log_level,
         max_tokens_default=args.max_tokens_default,
         warmup=not args.no_warmup,
-        kernel_warmup=not (args.no_warmup or args.no_kernel_warmup),
         slo_classes=slo_classes,
         switch_interval_s=args.switch_interval_ms / 1000,
         admission_correction=not args.no_admission_correction,
@@ -231,7 +230,10 @@ def serve(args: argparse.Namespace) -> int:
     from tailserve.server.lifecycle import run_server
 
     try:
-        engine = AsyncEngine(engine_config, warm_kernels=server_config.kernel_warmup)
+        # The engine thread creates every prompt-row kernel before the warm-up generation, so /ready
+        # waits for it (tailserve.model.onednn).
+        warm_kernels = server_config.warmup and not args.no_kernel_warmup
+        engine = AsyncEngine(engine_config, warm_kernels=warm_kernels)
     except ModelLoadError as exc:
         print(f"tailserve serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 1

@@ -29,10 +29,6 @@ class ServerConfig:
     max_tokens_default: int = 1024  # a request without max_tokens generates at most this many tokens
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's own
     warmup: bool = True
-    # Before /ready, create oneDNN's prompt-row kernel for every row count of the step budget (3-9 s
-    # on 2 cores, ~0.5 GiB for the default model): serving then compiles none (~20 ms a new row
-    # count) and its memory stops growing with the prompt lengths it meets (tailserve.model.onednn).
-    kernel_warmup: bool = True
     slo_classes: SloClasses | None = None  # --slo-classes; None: the built-in interactive and batch
     # Python's GIL switch interval in this process (default: Python's own 5 ms): how long the engine
     # thread may wait for the GIL back from the HTTP thread after each model call (docs/ENGINE.md).
