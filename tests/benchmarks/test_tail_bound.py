@@ -1,0 +1,133 @@
+"""benchmarks/tail_bound.py: the real scheduler in virtual time on a step-cost model. Single requests
+cost exactly what the model says, the policies differ the way the engine's do, the fit recovers the
+model, and the virtual clock stays inside the simulation."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import tail_bound  # noqa: E402
+from tail_bound import StepCost, simulate  # noqa: E402
+
+from tailserve.config import SchedulerConfig  # noqa: E402
+from tailserve.engine import scheduler as scheduler_module  # noqa: E402
+from tailserve.engine.policy import PrefillOrder, SloPolicy  # noqa: E402
+from tailserve.engine.request import Request  # noqa: E402
+
+COST = StepCost(fixed=0.006, per_row=0.001, prompt_fixed=0.010, per_token=0.001)
+
+
+def config(**kw: object) -> SchedulerConfig:
+    base = {"policy": "slo", "max_num_batched_tokens": 256, "max_num_seqs": 16, "slo_ttft_s": 1.0,
+            "slo_tpot_s": 0.1}  # fmt: skip
+    return SchedulerConfig(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_a_lone_request_costs_exactly_its_steps() -> None:
+    """100 prompt tokens in one step, then one decode row a step; 300 tokens take two chunks."""
+    one = simulate([(5.0, 100, 5)], config(), COST)[0]
+    assert one.ttft == pytest.approx(0.006 + 0.010 + 0.100)
+    assert one.tpot == pytest.approx(0.006 + 0.001)
+    two = simulate([(0.0, 300, 2)], config(), COST)[0]
+    assert two.ttft == pytest.approx(2 * (0.006 + 0.010) + 0.300)
+
+
+def test_a_tight_tpot_plan_spreads_a_long_prompt_over_a_stream_and_fcfs_does_not() -> None:
+    """A 32-token stream is decoding when a 1000-token prompt arrives. fcfs prefills it in 256-token
+    steps (0.26 s each), so the stream's mean gap is several times a decode step. `slo` planning to
+    a 20 ms TPOT caps each step's prompt tokens near its floor, so the stream keeps short gaps and
+    the long prompt's first token comes later. (No prompt-step fixed cost here: with one, the
+    floor's small steps cost more, the trade-off the sweeps measure.)"""
+    cost = dataclasses.replace(COST, prompt_fixed=0.0)
+    arrivals = [(0.0, 20, 32), (0.05, 1000, 2)]
+    fcfs = simulate(arrivals, config(policy="fcfs"), cost)
+    slo = simulate(arrivals, config(slo_tpot_s=0.02, prefill_floor=0.05), cost)
+    assert fcfs[0].tpot > 4 * (0.006 + 0.001)
+    assert slo[0].tpot < 0.8 * fcfs[0].tpot
+    assert slo[1].ttft > fcfs[1].ttft
+
+
+def test_the_fit_recovers_the_step_cost_it_was_drawn_from() -> None:
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(400):
+        rows = int(rng.integers(0, 16))
+        tokens = int(rng.integers(0, 256)) if rng.random() < 0.3 else 0
+        steps.append((rows, tokens, COST(rows, tokens) + rng.normal(0, 1e-5)))
+    fitted = StepCost.fit(steps)
+    for field in dataclasses.fields(StepCost):
+        assert getattr(fitted, field.name) == pytest.approx(getattr(COST, field.name), rel=0.05, abs=2e-4)
+
+
+def test_the_policy_plans_on_the_virtual_clock_and_the_real_one_is_back_after() -> None:
+    """A request arriving 10^7 s into the simulation: every `now` the policy is handed after the
+    empty first plan (at 0) lies within its simulated life, so deadlines and TPOT room are computed
+    on the virtual clock; the scheduler module reads the real clock again afterwards."""
+    seen: list[float] = []
+    order = SloPolicy.order_prefills
+
+    def spy(self: SloPolicy, candidates: Sequence[Request], now: float) -> PrefillOrder:
+        seen.append(now)
+        return order(self, candidates, now)
+
+    with mock.patch.object(SloPolicy, "order_prefills", spy):
+        served = simulate([(1e7, 10, 3)], config(), COST)
+    assert served[0].ttft == pytest.approx(0.006 + 0.010 + 0.010)
+    assert seen[0] == 0.0 and len(seen) > 1
+    assert all(1e7 <= t <= 1e7 + 0.1 for t in seen[1:])
+    assert scheduler_module.time is time
+
+
+def test_the_sweep_table_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "bound-3.22"  # a dot in the name: the files go beside it, not over its suffix
+    assert tail_bound.main(["--sweep", "policy", "--requests", "200", "--draws", "1", "--out", str(out)]) == 0
+    assert (tmp_path / "bound-3.22.json").exists()
+    text = (tmp_path / "bound-3.22.md").read_text()
+    assert "| slo |" in text and "| fcfs |" in text
+    assert "TPOT P99/mean" in text
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        tail_bound.main(["--rate", "0"])
+
+
+def test_capacity_rises_with_a_faster_prefill_and_a_probe_fails_past_it() -> None:
+    """The bisection finds a rate the SLO holds at and a faster prefill raises it; a probe (the
+    compare harness's rule) passes well below that rate and fails well above it."""
+    variant = ("ts", config(slo_ttft_s=1.06), StepCost())
+    faster = ("ts fast", config(slo_ttft_s=1.06), StepCost().faster_prefill(2))
+    cap = tail_bound.capacity(variant, draws=1, requests=400, hi=40.0)
+    assert 1.0 < cap < tail_bound.capacity(faster, draws=1, requests=400, hi=40.0)
+    assert tail_bound.probe_passes(variant, cap / 3, seed=1)
+    assert not tail_bound.probe_passes(variant, cap * 3, seed=1)
+
+
+def test_the_probes_sweep_runs_probes_of_the_size_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[int] = []
+
+    def probe(variant: object, rate: float, seed: int, requests: int = tail_bound.PROBE_REQUESTS) -> bool:
+        sizes.append(requests)
+        return rate < 4
+
+    monkeypatch.setattr(tail_bound, "probe_passes", probe)
+    argv = ["--sweep", "probes", "--probe-requests", "150", "--probe-draws", "2", "--probe-from", "3",
+            "--probe-to", "5", "--out", str(tmp_path / "p")]  # fmt: skip
+    assert tail_bound.main(argv) == 0
+    assert sizes and set(sizes) == {150}
+    rows = [
+        line for line in (tmp_path / "p.md").read_text().splitlines() if line.startswith("| tailserve (slo)")
+    ]
+    assert rows == ["| tailserve (slo) | 100% | 100% | 0% | 0% | 0% |"]
