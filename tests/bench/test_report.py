@@ -24,7 +24,7 @@ from tailserve.bench.load_loop import ClientHealth, RunControl, RunOutcome
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.result import BenchSettings, build_result, load_result, write_json
 from tailserve.bench.stats import SloTargets
-from tailserve.bench.summary import format_capacity, format_summary
+from tailserve.bench.summary import format_capacity, format_summary, upper_end_note
 from tailserve.bench.verdicts import format_compare
 from tailserve.cli import main
 from tests.bench.conftest import CHROMIUM, make_record, render_in_chromium
@@ -97,6 +97,19 @@ def test_conservative_capacity_needs_the_upper_ends_within_the_slos() -> None:
     section = capacity_section(5.0, [point], None, {}, conservative=True)
     assert section["definition"] == "p99 interval upper ends within the SLOs"
     assert "(a pass: p99 interval upper ends within the SLOs)" in format_capacity(section)
+
+
+def test_conservative_capacity_says_how_few_requests_decide_a_probe() -> None:
+    """975 requests with a TTFT: the P99's upper end is the 4th slowest, the table says so, and how
+    many requests would make it the 8th. The point-P99 rule prints no such note."""
+    many, _ = constructed_result(n=1000)
+    point = point_from_result(5.0, many, conservative=True)
+    assert point.latency_count == many["metrics"]["ttft_s"]["count"] == 975
+    text = format_capacity(capacity_section(5.0, [point], None, {}, conservative=True))
+    assert "with 975 requests a probe, the upper end of the P99 interval is its 4th slowest request" in text
+    assert "1439 requests a probe would make it the 8th slowest" in text
+    assert "upper end" not in format_capacity(capacity_section(5.0, [point_from_result(5.0, many)], None, {}))
+    assert "its slowest request" in upper_end_note(368) and "no upper end" in upper_end_note(275)
 
 
 def test_cdf_points_keep_the_tail() -> None:

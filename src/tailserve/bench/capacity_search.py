@@ -52,6 +52,7 @@ class CapacityPoint:
     tpot_p99_ci: tuple[float | None, float | None] = (None, None)
     e2e_p99_ci: tuple[float | None, float | None] = (None, None)
     passed_upper: bool = False
+    latency_count: int | None = None  # requests with a TTFT: what the P99 and its interval rest on
 
 
 def point_from_result(rate: float, result: dict[str, Any], conservative: bool = False) -> CapacityPoint:
@@ -89,6 +90,7 @@ def point_from_result(rate: float, result: dict[str, Any], conservative: bool = 
         tpot_p99_ci=ci("tpot_s"),
         e2e_p99_ci=ci("e2e_s"),
         passed_upper=upper,
+        latency_count=(metrics.get("ttft_s") or {}).get("count"),
     )
 
 

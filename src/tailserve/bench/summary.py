@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tailserve.bench.intervals import order_stat_ranks
+
 # (metric key, label, scale to display unit, unit)
 METRIC_ROWS = (
     ("ttft_s", "TTFT", 1.0, "s"),
@@ -282,4 +284,36 @@ def format_capacity(capacity: dict[str, Any]) -> str:
         + (f"{best:.2f} req/s" if best is not None else "none (even the lowest failed)")
         + f" (a pass: {definition})"
     )
+    counts = [p["latency_count"] for p in capacity["points"] if p.get("latency_count")]
+    if counts and definition.startswith("p99 interval upper ends"):
+        lines.append(upper_end_note(min(counts)))
     return "\n".join(lines)
+
+
+def _slowest_rank(n: int) -> int | None:
+    """Which slowest value (1 = the largest) is the upper end of the P99 interval of n values."""
+    upper = order_stat_ranks(n, 99.0)[1]
+    return None if upper is None else n - upper + 1
+
+
+def upper_end_note(n: int) -> str:
+    """What a conservative probe of n requests turns on: its P99 interval's upper end is its k-th
+    slowest request, so near capacity its k slowest requests (say, two long prompts arriving
+    together) decide it."""
+    k = _slowest_rank(n)
+    if k is None:
+        return f"note: {n} requests a probe give the P99 no upper end: no probe can pass conservatively"
+    which = "its slowest request" if k == 1 else f"its {_ordinal(k)} slowest request"
+    text = (
+        f"note: with {n} requests a probe, the upper end of the P99 interval is {which}, so near capacity "
+        + ("that one request decides a probe" if k == 1 else f"its {k} slowest requests decide a probe")
+    )
+    if k < 8:
+        fewest = next(m for m in range(n, 10**6) if (_slowest_rank(m) or 0) >= 8)
+        text += f"; {fewest} requests a probe would make it the 8th slowest (-n or --probe-duration)"
+    return text
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
