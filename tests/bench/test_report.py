@@ -106,7 +106,9 @@ def test_conservative_capacity_says_how_few_requests_decide_a_probe() -> None:
     point = point_from_result(5.0, many, conservative=True)
     assert point.latency_count == many["metrics"]["ttft_s"]["count"] == 975
     text = format_capacity(capacity_section(5.0, [point], None, {}, conservative=True))
-    assert "with 975 requests a probe, the upper end of the P99 interval is its 4th slowest request" in text
+    assert (
+        "with 975 requests a probe, the upper end of the 95% P99 interval is its 4th slowest request" in text
+    )
     assert "1439 requests a probe would make it the 8th slowest" in text
     assert "upper end" not in format_capacity(capacity_section(5.0, [point_from_result(5.0, many)], None, {}))
     assert "its slowest request" in upper_end_note(368) and "no upper end" in upper_end_note(275)

@@ -305,7 +305,7 @@ def upper_end_note(n: int) -> str:
         return f"note: {n} requests a probe give the P99 no upper end: no probe can pass conservatively"
     which = "its slowest request" if k == 1 else f"its {_ordinal(k)} slowest request"
     text = (
-        f"note: with {n} requests a probe, the upper end of the P99 interval is {which}, so near capacity "
+        f"note: with {n} requests a probe, the upper end of the 95% P99 interval is {which}, so near capacity "
         + ("that one request decides a probe" if k == 1 else f"its {k} slowest requests decide a probe")
     )
     if k < 8:
