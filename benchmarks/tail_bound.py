@@ -395,9 +395,8 @@ def probes_table(config: SchedulerConfig, cost: StepCost, args: argparse.Namespa
         "| req/s | " + " | ".join(f"{r:g}" for r in rates) + " |",
         "|---|" + "---:|" * len(rates),
     ]
-    for label, c, k in capacity_variants(config, cost, args.peer_step_ms / 1e3)[:1] + [
-        v for v in capacity_variants(config, cost, args.peer_step_ms / 1e3) if v[0] == PEER_LABEL
-    ]:
+    variants = capacity_variants(config, cost, args.peer_step_ms / 1e3)
+    for label, c, k in [variants[0], variants[-1]]:  # tailserve (slo) as measured, and the peer model
         shares = [
             np.mean(
                 [
@@ -467,7 +466,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--rate must be > 0, --requests >= 100, --draws >= 1 and --server-step-ms >= 0")
     if args.probe_requests < 100 or args.probe_draws < 1 or args.probe_step <= 0 or args.probe_from <= 0:
         p.error("--probe-requests >= 100, --probe-draws >= 1, --probe-step and --probe-from > 0")
-    cost = StepCost.fit(json.loads(args.costs.read_text())["steps"]) if args.costs else StepCost()
+    for path in (args.costs, args.validate):
+        if path is not None and not path.is_file():
+            p.error(f"no such file: {path}")
+    try:
+        cost = StepCost.fit(json.loads(args.costs.read_text())["steps"]) if args.costs else StepCost()
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        p.error(f"--costs {args.costs}: not a step_model.py log with a 'steps' list ({exc})")
     cost = dataclasses.replace(cost, fixed=cost.fixed + args.server_step_ms / 1e3)
     config = base_config(args)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

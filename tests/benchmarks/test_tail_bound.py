@@ -97,9 +97,16 @@ def test_the_sweep_table_is_written(tmp_path: Path) -> None:
     assert "TPOT P99/mean" in text
 
 
-def test_bad_arguments_are_refused() -> None:
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         tail_bound.main(["--rate", "0"])
+    with pytest.raises(SystemExit):
+        tail_bound.main(["--validate", str(tmp_path / "missing.jsonl")])
+    bad = tmp_path / "costs.json"
+    bad.write_text('{"no_steps": []}')
+    with pytest.raises(SystemExit):
+        tail_bound.main(["--costs", str(bad)])
+    assert list(tmp_path.iterdir()) == [bad]  # nothing written
 
 
 def test_capacity_rises_with_a_faster_prefill_and_a_probe_fails_past_it() -> None:
