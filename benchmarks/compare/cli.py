@@ -99,6 +99,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--probe-requests", type=int, help="measured requests per capacity probe (default 368)")
     p.add_argument(
+        "--rate-start",
+        type=rate_starts,
+        help="first capacity probe, req/s: RATE for every server, SERVER=RATE,... per server, or both "
+        "(default: twice one stream's service rate; a start near capacity saves the slow low-rate "
+        "probes that large probes make costly)",
+    )
+    p.add_argument("--growth", type=float, help="the search's ramp factor (default 2; must be > 1)")
+    p.add_argument(
+        "--tolerance", type=float, help="stop when the pass / fail bracket is this close (default 0.15)"
+    )
+    p.add_argument(
         "--budget-h",
         type=float,
         help="hours per server and workload; rate points that do not fit are left out (default 3)",
@@ -111,6 +122,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma list of servers to soak ('best' = the peer with the highest long-tail capacity); runs only the soak",
     )
     p.add_argument("--soak-min", type=float, default=30.0, help="soak minutes")
+    p.add_argument(
+        "--soak-window",
+        type=float,
+        help="soak window seconds, at least 300 (default: max(300, 368 requests / rate)); longer "
+        "windows hold more requests, so each window's P99 interval is narrower",
+    )
     p.add_argument(
         "--soak-rate", type=float, help="soak rate req/s (default 80%% of the server's long-tail capacity)"
     )
@@ -144,7 +161,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "under the conservative and the point P99, with the ratio to the best peer per draw",
     )
     p.add_argument("--doc", type=Path, help="also write the markdown here (e.g. docs/COMPARE.md)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.growth is not None and not args.growth > 1:
+        p.error(f"--growth must be > 1 (got {args.growth:g})")
+    if args.tolerance is not None and not args.tolerance > 0:
+        p.error(f"--tolerance must be > 0 (got {args.tolerance:g})")
+    if args.rate_start and (unknown := sorted(set(args.rate_start) - {"*", *SERVERS, *OTHER_SERVERS})):
+        p.error(
+            f"--rate-start: unknown server {', '.join(unknown)} (one of {', '.join(SERVERS + OTHER_SERVERS)})"
+        )
+    if args.soak_window is not None and not 300 <= args.soak_window <= args.soak_min * 60:
+        p.error(f"--soak-window must be at least 300 s and at most the soak ({args.soak_min * 60:g} s)")
+    return args
 
 
 def sizes_of(args: argparse.Namespace) -> planning.Sizes:
@@ -156,7 +184,17 @@ def sizes_of(args: argparse.Namespace) -> planning.Sizes:
         changes["probe_requests"] = args.probe_requests
     if args.budget_h:
         changes["budget_s"] = args.budget_h * 3600
+    for name in ("rate_start", "growth", "tolerance"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
     return dataclasses.replace(sizes, **changes)
+
+
+def rate_starts(text: str) -> dict[str, float]:
+    try:
+        return planning.parse_rate_start(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def frozen_slo(
@@ -287,9 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     record_invocation(store, argv, args, sizes)
     envs.ensure_hf_dir()  # the bench's tokenizer too, so always
     soaked = soak_targets(store, args.soak.split(",")) if args.soak else []
-    if any(k.startswith(("hf", "llamacpp")) for k in keys + soaked):
+    needed = soaked or keys  # a soak starts only the servers it soaks
+    if any(k.startswith(("hf", "llamacpp")) for k in needed):
         envs.ensure_peers_venv()
-    if "vllm" in keys + soaked:
+    if "vllm" in needed:
         envs.ensure_vllm_venv()
     common = (store.load("run") or {}).get("probe_prompts") == "common"
     ctx = Context(store, sizes, args.seed, Limits(threads=args.threads), envs.gguf_path(), common)
@@ -351,10 +390,13 @@ def compare_all(
 def run_soaks(
     ctx: Context, keys: Sequence[str], workload: planning.Workload, args: argparse.Namespace
 ) -> None:
-    slo_doc = ctx.store.load(f"slo-{workload.name}")
-    if slo_doc is None:
-        sys.exit("--soak: no long-tail SLO in this folder yet (run the comparison into it first)")
-    slo = Slo(**slo_doc)
+    slo = frozen_slo(ctx.store, workload, keys, args) if args.slo_ttft else None
+    if slo is None and (slo_doc := ctx.store.load(f"slo-{workload.name}")) is not None:
+        slo = Slo(**slo_doc)
+    if slo is None:
+        sys.exit(
+            "--soak: no long-tail SLO in this folder yet (run the comparison into it first, or give --slo-ttft)"
+        )
     duration_s = 60.0 if args.quick and args.soak_min == 30.0 else args.soak_min * 60
     for key in keys:
         capacity = capacity_saved(ctx.store, key, workload.name)
@@ -364,7 +406,9 @@ def run_soaks(
             continue
         # Windows of at least 5 minutes and enough requests for a bounded P99 interval (368 >= the
         # issue's 300; quick: a third of the run).
-        window_s = duration_s / 3 if args.quick else max(300.0, stats.min_count_bounded(planning.P99) / rate)
+        window_s = args.soak_window or (
+            duration_s / 3 if args.quick else max(300.0, stats.min_count_bounded(planning.P99) / rate)
+        )
         try:
             soak(ctx, key, workload, slo, round(rate, 4), duration_s, window_s)
         except RuntimeError as exc:  # the server did not start: say so, go on with the next

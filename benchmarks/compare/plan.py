@@ -114,10 +114,39 @@ class Sizes:
     max_probes: int = 7
     budget_s: float = 3 * 3600.0  # per server and workload: the rate points that fit, in order
     conservative: bool = True  # probes judged by the P99s' upper ends (quick runs: the points)
+    # The first probe's rate per server key ("*": every server); unset: from one stream's service rate.
+    rate_start: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if min(self.point_requests, self.probe_requests) < 1 or self.warmup_requests < 0:
             raise ValueError("request counts must be positive")
+        if not (self.growth > 1 and self.tolerance > 0):
+            raise ValueError("the search needs growth > 1 and tolerance > 0")
+        if self.rate_start and min(self.rate_start.values()) <= 0:
+            raise ValueError("a start rate must be positive")
+
+    def start_for(self, key: str) -> float | None:
+        """The first probe's rate given for server `key` (or for every server), else None."""
+        starts = self.rate_start or {}
+        return starts.get(key, starts.get("*"))
+
+
+def parse_rate_start(text: str) -> dict[str, float]:
+    """`--rate-start`: one rate for every server ("3.5"), or per server ("ts-slo=5.5,vllm=3.5"),
+    or both ("3,vllm=3.5": 3 for the servers not named)."""
+    starts: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        key, _, value = part.rpartition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            raise ValueError(f"not a rate: {part!r} (give RATE or SERVER=RATE)") from None
+        if not math.isfinite(rate) or rate <= 0:
+            raise ValueError(f"a start rate must be a positive number: {part!r}")
+        if (key or "*") in starts:
+            raise ValueError(f"given twice: {key or 'the default rate'}")
+        starts[key or "*"] = rate
+    return starts
 
 
 def full_sizes(min_point: int = 300, min_probe: int = 200) -> Sizes:

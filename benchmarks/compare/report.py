@@ -62,12 +62,17 @@ duration grows as capacity falls: about 1.5-2.5 h per server and workload at 0.5
 ~10-20 h for five servers and two workloads (`--workloads longtail` first carries most targets),
 plus ~40 min per soak. The soak's windows are max(5 min, 368 requests / rate) long, so that each
 window's P99 has a bounded interval: below ~0.6 req/s a 30-minute soak has fewer than 3 windows
-(`--soak-min 60` then). `--quick` (12 requests a point, tailserve + llama.cpp) checks the harness
+(`--soak-min 60` then); `--soak-window` sets longer ones, whose P99 intervals are narrower. A
+soak in a folder with no comparison in it takes its SLO from `--slo-ttft` (and `--slo-tpot-ms`) and
+its rate from `--soak-rate`. `--quick` (12 requests a point, tailserve + llama.cpp) checks the harness
 in minutes; its numbers carry no verdict.
 
 When the hours are not there: `--length-scale F` multiplies every prompt and output length (frozen
 in the folder by its first run; x0.25 makes a 368-request probe 2-16 minutes here),
-`--search-only` runs the capacity searches and leaves every rate point out (listed as such), and
+`--search-only` runs the capacity searches and leaves every rate point out (listed as such),
+`--rate-start RATE` or `--rate-start SERVER=RATE,...` starts each search near its capacity instead of
+ramping from one stream's rate (with `--probe-requests 1000`, the low-rate probes of the ramp take
+longest; `--growth` and `--tolerance` set the ramp and the bisection's stop), and
 `--replay KEY[:probe-01,at-0.8x,...]` runs `--servers` at the rates of KEY's saved probes (or of the
 saved runs named) with the same prompts (saved as `replay-KEY-NAME`, set beside KEY's in the
 report); with `--rounds N` it runs

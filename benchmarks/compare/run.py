@@ -324,8 +324,8 @@ def search(
     rate_max: float, drain_s: float,
 ) -> tuple[list[tuple[float, bool]], float, str]:  # fmt: skip
     """The capacity search: probes of `probe_requests` each (saved ones are reused), ramping from
-    one stream's service rate, then bisecting. Returns the probes (rate, passed), the seconds they
-    took and why it stopped early ("" when it did not)."""
+    `--rate-start` or else twice one stream's service rate, then bisecting. Returns the probes
+    (rate, passed), the seconds they took and why it stopped early ("" when it did not)."""
     store, sizes, cal = ctx.store, ctx.sizes, calibration_of(cal_doc)
     saved = store.points(spec.key, workload.name, "probe-")
     probes = [(p["rate"], bool(p["passed"])) for p in saved]
@@ -336,7 +336,9 @@ def search(
             f"{slo.ttft_s:g} s target"
         )  # fmt: skip
     prompt, output = workload.typical
-    start = planning.search_start(cal.isolated_ttft_s(prompt) + output * cal.idle_tpot_s)  # one alone
+    start = sizes.start_for(spec.key) or planning.search_start(
+        cal.isolated_ttft_s(prompt) + output * cal.idle_tpot_s
+    )
     while (rate := planning.next_probe(probes, start, sizes.growth, sizes.tolerance, sizes.max_probes, rate_max)) is not None:  # fmt: skip
         cost = planning.expected_s(sizes.probe_requests + sizes.warmup_requests, rate, drain_s)
         if spent + cost > sizes.budget_s:

@@ -5,6 +5,7 @@ checkpoints a rerun resumes from. No server is started.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,72 @@ def test_capacity_search_steps_down_when_the_start_fails_and_gives_up() -> None:
     assert plan.next_probe(probes[:1], 1.0, 2.0, 0.1, 10, 20) == 0.5
     assert plan.next_probe(probes, 1.0, 2.0, 0.1, 10, 20) is None
     assert plan.capacity_bracket(probes) == (0.0, 0.125)
+
+
+def test_rate_start_starts_each_servers_search_where_it_is_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--rate-start 0.9,vllm=2` makes vLLM's first probe 2 req/s and every other server's 0.9;
+    without it the search starts from the calibration (twice one stream's rate)."""
+    from compare import run
+    from compare.cli import parse_args, sizes_of
+
+    rates: dict[str, list[float]] = {}
+
+    def fake_bench(ctx: Any, spec: Any, url: str, workload: Any, name: str, args: list[str], slo: Any,
+                   deadline_s: float | None = None, seed_name: str | None = None) -> Any:  # fmt: skip
+        rate = float(args[args.index("--rate") + 1])
+        rates.setdefault(spec.key, []).append(rate)
+        rows = [row(i, ttft=0.5 if rate <= 1.3 else 3.0) for i in range(40)]
+        return {"metrics": {}}, rows, {"wall_s": 1.0}
+
+    class Spec:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    monkeypatch.setattr(run, "bench", fake_bench)
+    cal_doc = {"intercept_s": 0.1, "per_token_s": 0.001, "idle_tpot_s": 0.05, "points": [],
+               "idle_ttft_longest_s": 1.0}  # fmt: skip
+    args = parse_args(["--quick", "--rate-start", "0.9,vllm=2", "--growth", "1.25", "--tolerance", "0.05"])
+    sizes = dataclasses.replace(sizes_of(args), max_probes=10)
+    assert (sizes.growth, sizes.tolerance) == (1.25, 0.05)
+    for folder, chosen in (("given", sizes), ("default", plan.QUICK)):
+        rates.clear()
+        ctx = Context(Store(tmp_path / folder), chosen, 7, None, tmp_path, False)  # type: ignore[arg-type]
+        for key in ("ts-slo", "vllm"):
+            probes, _, _ = run.search(ctx, Spec(key), "", plan.LONGTAIL, SLO, cal_doc, 20.0, 0.0)  # type: ignore[arg-type]
+            best, above = plan.capacity_bracket(probes)
+            assert best <= 1.3 < (above or 0)
+        if folder == "given":
+            assert rates["ts-slo"][:2] == [0.9, 0.9 * 1.25] and rates["vllm"][:2] == [2.0, 2.0 / 1.25]
+        else:
+            prompt, output = plan.LONGTAIL.typical
+            start = plan.search_start(0.1 + 0.001 * prompt + output * 0.05)
+            assert rates["ts-slo"][0] == rates["vllm"][0] == start != 0.9
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rate-start", "0"],
+        ["--rate-start", "vllm=fast"],
+        ["--rate-start", "2,3"],
+        ["--rate-start", "nan"],
+        ["--rate-start", "3,vlm=2"],
+        ["--growth", "1"],
+        ["--tolerance", "0"],
+        ["--soak-window", "200"],
+        ["--soak-window", "4000"],
+    ],  # fmt: skip
+)
+def test_bad_search_flags_are_refused_before_anything_runs(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from compare.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("common", [True, False])
@@ -328,6 +395,42 @@ def test_report_targets_from_intervals(tmp_path: Path) -> None:
     rendered, _ = report.render(store)
     # The same offered load for every server: fcfs's P99 queue delay is apart from (above) slo's.
     assert "| tailserve (fcfs) | - | - | - | 3.00 [2.00, 4.00] (higher) |" in rendered
+
+
+def test_soak_in_a_new_folder_freezes_the_given_slo_and_takes_the_window_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compare import cli
+
+    calls: list[tuple[str, Slo, float, float, float]] = []
+
+    def fake_soak(
+        ctx: Any, key: str, workload: Any, slo: Slo, rate: float, duration_s: float, window_s: float
+    ) -> Any:
+        calls.append((key, slo, rate, duration_s, window_s))
+
+    monkeypatch.setattr(cli, "soak", fake_soak)
+    ctx = Context(Store(tmp_path), plan.full_sizes(), 0, None, tmp_path, False)  # type: ignore[arg-type]
+    args = cli.parse_args(["--soak", "ts-slo", "--soak-rate", "4.9"])
+    with pytest.raises(SystemExit, match="no long-tail SLO"):  # nothing to judge by: refused, nothing run
+        cli.run_soaks(ctx, ["ts-slo"], plan.LONGTAIL, args)
+    assert not calls and ctx.store.load("slo-longtail") is None
+    args = cli.parse_args(
+        ["--soak", "ts-slo", "--soak-rate", "4.9", "--slo-ttft", "1.06", "--soak-window", "600"]
+    )
+    cli.run_soaks(ctx, ["ts-slo"], plan.LONGTAIL, args)
+    key, slo, rate, duration_s, window_s = calls[-1]
+    assert (key, slo.ttft_s, slo.tpot_s, rate, duration_s, window_s) == (
+        "ts-slo",
+        1.06,
+        0.1,
+        4.9,
+        1800.0,
+        600.0,
+    )
+    assert ctx.store.load("slo-longtail")["ttft_s"] == 1.06  # frozen for the next server's soak
+    cli.run_soaks(ctx, ["vllm"], plan.LONGTAIL, cli.parse_args(["--soak", "vllm", "--soak-rate", "0.5"]))
+    assert calls[-1][1].ttft_s == 1.06 and calls[-1][4] == 736.0  # 368 requests at 0.5 req/s
 
 
 def test_soak_memory_and_kv_readings(tmp_path: Path) -> None:

@@ -138,3 +138,14 @@ def test_the_probes_sweep_runs_probes_of_the_size_asked(
         line for line in (tmp_path / "p.md").read_text().splitlines() if line.startswith("| tailserve (slo)")
     ]
     assert rows == ["| tailserve (slo) | 100% | 100% | 0% | 0% | 0% |"]
+
+
+def test_split_core_queue_serves_in_the_order_it_is_given() -> None:
+    """benchmarks/split_prefill_core.py: one prompt at a time on one core. First come first served
+    makes a short prompt wait behind a long one; shortest first lets it pass the one waiting."""
+    from split_prefill_core import prefill_ttfts
+
+    times, costs = [0.0, 0.1, 0.2], [1.0, 0.5, 0.1]
+    assert prefill_ttfts(times, costs, times) == pytest.approx([1.0, 1.4, 1.4])
+    assert prefill_ttfts(times, costs, costs) == pytest.approx([1.0, 1.5, 0.9])
+    assert prefill_ttfts([0.0, 5.0], [1.0, 1.0], [0.0, 5.0]) == [1.0, 1.0]  # an idle gap is not waited
