@@ -132,3 +132,20 @@ def test_abort_mid_generation_frees_every_block(
     assert engine.abort("r0") is None  # idempotent
     assert not engine.has_unfinished()
     _assert_pool_free(llm)
+
+
+def test_each_engine_steps_on_its_own_thread_count() -> None:
+    """torch's thread count is per process: an engine built after another (here with another
+    --num-threads) must not leave the first one stepping on its count, and a step of either
+    leaves the count it ran on, whatever the caller set in between."""
+    before = torch.get_num_threads()
+    engines = {n: LLM("dummy:tiny", weight_format="bf16", num_threads=n, max_model_len=64) for n in (1, 2)}
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(3)  # the caller's own setting, between steps
+            out = engines[n].generate([[1, 5, 9, 13]], params)
+            assert len(out[0].token_ids) == 3
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)

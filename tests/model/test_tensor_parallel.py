@@ -1,8 +1,9 @@
 """Tensor parallelism over gloo on CPU: ranks are real processes, and TP=N equals TP=1.
 
 Logits are compared for a prefill, a chunked prefill, a decode step of two unequal sequences and a
-prefix-cache hit, then greedy generations token for token. fp32 is not bit-exact across sizes (the
-all-reduce sums the partial products in another order): the measured gap is ~1e-6, asserted 1e-4.
+prefix-cache hit, then greedy generations token for token (int4 / bf16: up to the first near tie).
+fp32 is not bit-exact across sizes (the all-reduce sums the partial products in another order): the
+measured gap is ~1e-6, asserted 1e-4.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLMEngine, SamplingParams
 from tailserve.engine.llm import LLM
+from tailserve.engine.request import RequestOutput
 from tailserve.errors import ConfigError
 from tailserve.model import cpu_kernels
 from tailserve.model.loader import LoadedModel, load_model, read_arch
@@ -78,16 +80,34 @@ PROMPTS = [
 ]
 
 
-def _greedy(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+def _greedy(llm: LLM) -> list[RequestOutput]:
+    """Greedy generations of PROMPTS with each step's two best log-probabilities (the tie margin)."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    return llm.generate(PROMPTS, params)
+
+
+def _assert_equal_until_a_near_tie(got: list[RequestOutput], want: list[RequestOutput], tie: float) -> None:
+    """Greedy tokens of TP=N equal TP=1's, and their log-probabilities agree, up to the first step
+    where the reference's best two tokens are within `tie` of each other: there a partial sum rounded
+    differently may pick either, and the generations go separate ways after it (an int4 / bf16 model
+    is not token-exact across TP sizes; docs/ENGINE.md)."""
+    for prompt, (g, w) in enumerate(zip(got, want, strict=True)):
+        for step, (gt, wt) in enumerate(zip(g.logprobs, w.logprobs, strict=True)):
+            best, second = wt.top[0][1], wt.top[1][1]
+            if gt.token_id != wt.token_id:
+                assert best - second <= tie, (
+                    f"prompt {prompt} step {step}: TP=N chose {gt.token_id}, TP=1 {wt.token_id} "
+                    f"with a margin of {best - second:.4f} (> {tie}): not a near tie"
+                )
+                break
+            assert abs(gt.logprob - wt.logprob) <= 5 * tie, (prompt, step, gt.logprob, wt.logprob)
 
 
 def _compare(
     model: str, size: int, weight_format: str, atol: float, loaded: LoadedModel | None = None
 ) -> None:
     """TP=size against TP=1: the scenario's logits within `atol`, same argmax; greedy tokens equal
-    where the format is fp32 (in bf16 a near-tie late in a generation may break either way)."""
+    where the format is fp32; in bf16 / int4 equal up to the first near tie."""
     ref = _llm(model, 1, weight_format, loaded)
     vocab = ref.engine.arch.vocab_size
     want_logits, want_tokens = _scenario(ref.engine.runner, vocab), _greedy(ref)
@@ -106,9 +126,9 @@ def _compare(
         tie = top2[:, 0] - top2[:, 1] <= atol / 5
         assert not (differ & ~tie).any(), f"step {step}: rows {differ.nonzero().flatten().tolist()}"
     if weight_format == "fp32":
-        assert got_tokens == want_tokens
+        assert [o.token_ids for o in got_tokens] == [o.token_ids for o in want_tokens]
     else:
-        assert [t[:4] for t in got_tokens] == [t[:4] for t in want_tokens]
+        _assert_equal_until_a_near_tie(got_tokens, want_tokens, atol / 5)
     assert not multiprocessing.active_children(), "workers outlived close()"
 
 

@@ -75,12 +75,17 @@ def resolve_kv_dtype(kv_cache_dtype: str, activation_dtype: torch.dtype) -> torc
     return {"auto": activation_dtype, "fp32": torch.float32, "bf16": torch.bfloat16}[kv_cache_dtype]
 
 
+def cpu_threads(mc: ModelConfig) -> int:
+    """Threads each rank's CPU steps run on: `--num-threads`, else the cores shared by the ranks."""
+    return mc.num_threads or max(1, default_cpu_threads() // mc.tensor_parallel_size)
+
+
 def build_runner(mc: ModelConfig, cc: CacheConfig, loaded: LoadedModel | None = None) -> BuiltModel:
     """Load (unless `loaded` is given: tests reuse weights), build the model, size and allocate the pool."""
     device = resolve_device(mc.device)
     size = mc.tensor_parallel_size
     if device.type == "cpu":  # per process: the engine owns it; tensor-parallel ranks share the cores
-        torch.set_num_threads(mc.num_threads or max(1, default_cpu_threads() // size))
+        torch.set_num_threads(cpu_threads(mc))
     # The quality gate decides `auto` and vets an explicit fast format before anything is built.
     choice = choose_weight_format(
         mc.model,
@@ -136,7 +141,7 @@ def build_worker_runner(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(mc.num_threads or max(1, default_cpu_threads() // size))
+        torch.set_num_threads(cpu_threads(mc))
     arch = read_arch(mc.model)
     tp = parallel.TensorParallel(rank, arch, parallel.check_shardable(arch, size, weight_format), device)
     loaded = _load(mc, weight_format, device, tp.keep)
@@ -193,6 +198,7 @@ def _build_rank(
         kv_dtype=kv_dtype,
         kv_pool=pool[0] if pool else None,
         tp=tp,
+        num_threads=cpu_threads(mc) if device.type == "cpu" else None,
     )
     if runner.backend.name == "triton" and not mc.enforce_eager and tp is None:
         _attach_decode_graphs(runner, max_model_len)

@@ -134,8 +134,8 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Keep the bf16 weight also in oneDNN's blocked layout, reordered once here instead of inside
-        every call: prompt rows 5-10% faster at 150-256 rows and 20-60% at 16-64 (2-core Zen 4), same
-        bits for a row whatever its batch. Costs a second copy of the dense weight (the torch path and
+        every call: prompt rows 5-10% faster at 150-256 rows and 20-60% at 16-64 (2-core Zen 4), within
+        bf16 of F.linear but not batch-invariant (oneDNN blocks by row and thread count). Costs a second copy of the dense weight (the torch path and
         TP keep reading `weight`). No-op off CPU, for other dtypes, or without oneDNN."""
         w = self.weight
         if (

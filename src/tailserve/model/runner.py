@@ -72,8 +72,13 @@ class ModelRunner:
         cpu_kernels: bool = True,
         kv_pool: torch.Tensor | None = None,
         tp: TensorParallel | None = None,
+        num_threads: int | None = None,
     ) -> None:
-        arch = model.arch  # under tensor parallelism, this rank's shard of heads and KV heads
+        arch = model.arch
+        # torch's thread count is per process: another engine, or the caller, may change it after this
+        # one was built, and oneDNN's kernels (so a prompt row's rounding) depend on it. Each step
+        # sets this runner's own first (None: whatever the process has).
+        self.num_threads = num_threads  # under tensor parallelism, this rank's shard of heads and KV heads
         self.tp = tp
         # Seconds of the last step's forward in collectives vs the rest (0 without tensor parallelism).
         self.last_comm_s = 0.0
@@ -151,6 +156,8 @@ class ModelRunner:
     def _start_step(self, kind: str, chunks: list[SeqChunk]) -> float:
         """Under tensor parallelism rank 0 sends the plan first: the workers unpack it while rank 0
         builds its own batch tensors (the one overlap of communication with work on this path)."""
+        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
         tp = self.tp
         if tp is not None:
             if tp.is_driver:
