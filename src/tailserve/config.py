@@ -83,6 +83,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    # The root of the prefix cache's block keys, as vLLM's PYTHONHASHSEED: set, keys are reproducible
+    # (by other replicas and external routers); None, a random root per engine (engine/block_keys.py).
+    prefix_cache_seed: str | None = None
 
     def __post_init__(self) -> None:
         _require(

@@ -1,41 +1,75 @@
-"""The paged KV pool's bookkeeping: reference-counted blocks, prefix cache by chained block hashes, LRU.
+"""The paged KV pool's bookkeeping: reference-counted blocks, a prefix cache of full blocks, LRU.
 
-A block is free when no sequence references it; a free block may still hold a cached prefix and is
-reused by a later hit until it is evicted (least recently freed first). This module never touches
-tensors: it hands out block ids.
+A full block is cached under its key (engine/block_keys.py) with the content the key was computed
+from, and a hit must match that content and the very block it followed: a key collision is a miss,
+never a wrong reuse. A free block keeps its cached content until evicted (least recently freed
+first). This module never touches tensors: it hands out block ids.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-BlockHash = int
+from tailserve.engine.block_keys import BlockKey, BlockKeys, ExtraKeys, first_block_extra
+
+ROOT_SERIAL = 0  # what a prompt's first block follows
 
 
-def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-    """Hash of a full block given its parent's hash: equal hashes mean equal whole prefixes."""
-    return hash((parent, tuple(tokens)))
+class BlockContent(NamedTuple):
+    """What a full block's key is computed from: the parent's key (None: the root), tokens, extra keys."""
+
+    parent_key: BlockKey | None
+    token_ids: tuple[int, ...]
+    extra: ExtraKeys
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """A block's entry in the prefix cache. `serial` is unique to this entry and never reused; the
+    next block of a prefix names it as `parent_serial`, so a prefix matches only through the very
+    blocks its KV was computed after, whatever the hash function."""
+
+    key: BlockKey
+    content: BlockContent
+    serial: int
+    parent_serial: int
+    block_id: int
+
+
+class Link(NamedTuple):
+    """One full block of a sequence: its key, and the serial of the cache entry holding its content
+    (None: not cached, and then nothing after it is cached for this sequence)."""
+
+    key: BlockKey | None
+    serial: int | None
+
+
+ROOT_LINK = Link(None, ROOT_SERIAL)
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: BlockHash | None = None
+    cached: CachedBlock | None = None
 
 
 @dataclass
 class SeqBlocks:
-    """One sequence's block table and how many of its full blocks are registered in the prefix cache."""
+    """One sequence's block table, the chain of its full blocks seen by the cache, and the first
+    block's extra keys (its cache_salt)."""
 
     table: list[int] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
+    chain: list[Link] = field(default_factory=list)
+    extra: ExtraKeys = None
 
 
 class BlockPool:
-    """Fixed set of blocks with reference counts, a hash -> block map and an LRU queue of free blocks."""
+    """Fixed set of blocks with reference counts, a key -> block map and an LRU queue of free blocks."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -44,7 +78,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         # Free blocks, least recently freed first; cached ones stay findable until popped.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[BlockHash, int] = {}
+        self._cached: dict[BlockKey, int] = {}
+        self._serials = itertools.count(ROOT_SERIAL + 1)
 
     @property
     def num_blocks(self) -> int:
@@ -61,16 +96,32 @@ class BlockPool:
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._cached.pop(block.block_hash, None)
-                block.block_hash = None
-            block.ref_count = 1
+            self._uncache(self.blocks[block_id])
+            self.blocks[block_id].ref_count = 1
             out.append(block_id)
         return out
 
-    def lookup(self, block_hash: BlockHash) -> int | None:
-        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+    def _uncache(self, block: Block) -> None:
+        if block.cached is not None:
+            del self._cached[block.cached.key]
+            block.cached = None
+
+    def _entry(self, key: BlockKey) -> CachedBlock | None:
+        block_id = self._cached.get(key) if self.enable_prefix_caching else None
+        # None also when another thread's eviction comes between the two reads.
+        return self.blocks[block_id].cached if block_id is not None else None
+
+    def find(self, key: BlockKey, content: BlockContent, parent_serial: int) -> CachedBlock | None:
+        """The entry under `key` holding exactly this content after the entry `parent_serial`, else None
+        (the same content after another entry: the block it followed was evicted and cached again)."""
+        entry = self._entry(key)
+        ok = entry is not None and entry.content == content and entry.parent_serial == parent_serial
+        return entry if ok else None
+
+    def collides(self, key: BlockKey, content: BlockContent) -> bool:
+        """Whether `key` is cached with other content: a hash collision, never reused."""
+        entry = self._entry(key)
+        return entry is not None and entry.content != content
 
     def touch(self, block_id: int) -> None:
         """Take one more reference (a prefix-cache hit or a fork)."""
@@ -89,26 +140,43 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def register(self, block_id: int, block_hash: BlockHash) -> None:
-        """Record that this block holds the full prefix identified by block_hash."""
+    def register(self, block_id: int, key: BlockKey, content: BlockContent, parent_serial: int) -> int | None:
+        """Cache the block's content under `key`; returns the serial the sequence's next block follows:
+        this entry's, or that of an entry already holding the same content. None when the key is held
+        by other content still in use (a collision): nothing after this block is cached for the sequence."""
         if not self.enable_prefix_caching:
-            return
-        block = self.blocks[block_id]
-        if block.block_hash is not None or block_hash in self._cached:
-            return  # already cached (here or in an identical block)
-        block.block_hash = block_hash
-        self._cached[block_hash] = block_id
+            return None
+        held = self._entry(key)
+        if held is not None:
+            if held.content == content and held.parent_serial == parent_serial:
+                return held.serial
+            if self.blocks[held.block_id].ref_count > 0:
+                return None
+            self._uncache(self.blocks[held.block_id])  # a free block's stale or colliding entry gives way
+        entry = CachedBlock(key, content, next(self._serials), parent_serial, block_id)
+        self.blocks[block_id].cached = entry
+        self._cached[key] = block_id
+        return entry.serial
 
 
 class KVCacheManager:
     """Block tables per sequence over one BlockPool, with prefix-cache lookups and hit counters."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        keys: BlockKeys | None = None,
+    ) -> None:
+        """`keys`: how full blocks are keyed (default: sha256_cbor after a random root)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.keys = keys or BlockKeys.from_seed(None)
         self._seqs: dict[str, SeqBlocks] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.prefix_collisions = 0  # lookups that met a key holding other content (never reused)
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,43 +197,55 @@ class KVCacheManager:
         have = len(self._seqs[seq_id].table) if seq_id in self._seqs else 0
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def match_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
-        """Start a sequence, reusing cached full blocks of its prefix; returns the cached token count.
+    def _content(
+        self, parent_key: BlockKey | None, token_ids: Sequence[int], i: int, first_extra: ExtraKeys
+    ) -> BlockContent:
+        """Full block i of `token_ids` after the block keyed `parent_key`: what its key is computed from."""
+        bs = self.block_size
+        extra = first_extra if i == 0 else None
+        return BlockContent(parent_key, tuple(token_ids[i * bs : (i + 1) * bs]), extra)
 
-        At least the last token is always left to compute (its logits are needed).
-        """
+    def _cached_run(
+        self, token_ids: Sequence[int], first_extra: ExtraKeys
+    ) -> tuple[list[int], list[Link], bool]:
+        """The cached blocks holding the prompt's leading full blocks, at least its last token left to
+        compute (its logits are needed); their links; whether the first miss was a collision."""
+        blocks: list[int] = []
+        links: list[Link] = []
+        if not self.pool.enable_prefix_caching:
+            return blocks, links, False
+        parent_key, parent_serial = None, ROOT_SERIAL
+        for i in range((len(token_ids) - 1) // self.block_size):
+            content = self._content(parent_key, token_ids, i, first_extra)
+            key = self.keys.key(*content)
+            entry = self.pool.find(key, content, parent_serial)
+            if entry is None:
+                return blocks, links, self.pool.collides(key, content)
+            blocks.append(entry.block_id)
+            links.append(Link(key, entry.serial))
+            parent_key, parent_serial = key, entry.serial
+        return blocks, links, False
+
+    def match_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Start a sequence, reusing cached full blocks of its prefix (under its cache_salt: other salts'
+        blocks are never found); returns the cached token count."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already has blocks")
-        seq = SeqBlocks()
-        bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        parent: BlockHash | None = None
-        for i in range(max_blocks):
-            h = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            block_id = self.pool.lookup(h)
-            if block_id is None:
-                break
+        extra = first_block_extra(cache_salt)
+        blocks, chain, collided = self._cached_run(token_ids, extra)
+        for block_id in blocks:
             self.pool.touch(block_id)
-            seq.table.append(block_id)
-            seq.hashes.append(h)
-            parent = h
-        self._seqs[seq_id] = seq
-        return len(seq.table) * bs
+        self.prefix_collisions += collided
+        self._seqs[seq_id] = SeqBlocks(blocks, chain, extra)
+        return len(blocks) * self.block_size
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of `token_ids` match_prefix would find cached now, changing nothing
-        (no LRU touch, no hit counters): what admission prices a prompt by. Safe to call from another
-        thread than the step loop's: each lookup is one dict read, and a block evicted meanwhile only
-        makes the count stale, as an estimate may be."""
-        bs = self.block_size
-        parent: BlockHash | None = None
-        found = 0
-        for i in range((len(token_ids) - 1) // bs):
-            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            if self.pool.lookup(parent) is None:
-                break
-            found += bs
-        return found
+        (no LRU touch, no counters): what admission prices a prompt by. Safe to call from another
+        thread than the step loop's: each lookup reads one dict entry and one frozen cache entry, and
+        a block evicted meanwhile only makes the count stale, as an estimate may be."""
+        blocks, _, _ = self._cached_run(token_ids, first_block_extra(cache_salt))
+        return len(blocks) * self.block_size
 
     def count_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """Record one admitted request's prefix-cache lookup (tokens asked for, tokens found)."""
@@ -183,15 +263,19 @@ class KVCacheManager:
 
     def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register every full block whose KV is now computed, so later requests can reuse it."""
+        if not self.pool.enable_prefix_caching:
+            return  # (no key is computed at all)
         seq = self._seqs[seq_id]
-        bs = self.block_size
-        full = min(num_computed // bs, len(seq.table))
-        parent = seq.hashes[-1] if seq.hashes else None
-        for i in range(len(seq.hashes), full):
-            h = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            self.pool.register(seq.table[i], h)
-            seq.hashes.append(h)
-            parent = h
+        full = min(num_computed // self.block_size, len(seq.table))
+        parent = seq.chain[-1] if seq.chain else ROOT_LINK
+        for i in range(len(seq.chain), full):
+            content = self._content(parent.key, token_ids, i, seq.extra)
+            key = self.keys.key(*content)
+            serial = None
+            if parent.serial is not None:
+                serial = self.pool.register(seq.table[i], key, content, parent.serial)
+            parent = Link(key, serial)
+            seq.chain.append(parent)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Share the parent's full blocks with a new child; a partial tail block gets a private copy.
@@ -205,7 +289,7 @@ class KVCacheManager:
         partial = num_tokens % self.block_size != 0 and len(parent.table) > full
         if partial and self.pool.num_free < 1:
             raise MemoryError("no free KV block for the forked tail")
-        child = SeqBlocks(table=list(parent.table[:full]), hashes=list(parent.hashes[:full]))
+        child = SeqBlocks(list(parent.table[:full]), list(parent.chain[:full]), parent.extra)
         for block_id in child.table:
             self.pool.touch(block_id)
         copy = None

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tailserve.config import EngineConfig
+from tailserve.engine.block_keys import BlockKeys
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.outputs import OutputProcessor
 from tailserve.engine.request import (
@@ -59,7 +60,8 @@ class LLMEngine:
         self.load_s = built.load_s
         self.weight_format = built.weight_format
         cc = config.cache
-        kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        keys = BlockKeys.from_seed(cc.prefix_cache_seed)
+        kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, keys)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_plan: StepPlan | None = None  # for tests and debugging
@@ -101,7 +103,12 @@ class LLMEngine:
             req.grammar = self.grammars.matcher(params.grammar)
         self._requests[request_id] = req
         parent = self._requests.get(params.fork_of or "")
-        if parent is not None and parent is not req and parent.prompt_token_ids == req.prompt_token_ids:
+        if (
+            parent is not None
+            and parent is not req
+            and parent.prompt_token_ids == req.prompt_token_ids
+            and parent.params.cache_salt == params.cache_salt  # (it shares the parent's blocks)
+        ):
             self._forks.setdefault(parent.request_id, []).append(req)
         else:
             self.scheduler.add(req)
@@ -233,7 +240,8 @@ class LLMEngine:
         prefix cannot give). Read-only: admission calls it from the server's thread."""
         if params.prompt_logprobs is not None:
             return len(prompt_token_ids)
-        return len(prompt_token_ids) - self.scheduler.cached_prefix_tokens(prompt_token_ids)
+        cached = self.scheduler.cached_prefix_tokens(prompt_token_ids, params.cache_salt)
+        return len(prompt_token_ids) - cached
 
     def warm_kernels(self) -> onednn.WarmResult:
         """Create the prompt-row kernels of every row count the step budget allows now, so serving

@@ -12,6 +12,8 @@ from typing import Any
 
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 
+MAX_CACHE_SALT_CHARS = 256  # a tenant id or a random token fits; the salt is hashed with each first block
+
 
 @dataclass(frozen=True)
 class SloTarget:
@@ -83,6 +85,8 @@ class SamplingParams:
     fork_of: str | None = None
     grammar: GrammarSpec | None = None  # structured outputs: only tokens the grammar allows are sampled
     slo: SloTarget | None = None  # latency targets of this request (not sampling: scheduling and admission)
+    # vLLM's cache_salt (not sampling either): requests share prefix-cache blocks only with the same salt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,6 +174,12 @@ class SamplingParams:
             ),
             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}",
             "prompt_logprobs",
+        )
+        _check(
+            self.cache_salt is None
+            or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
         )
         _check(
             self.min_tokens <= self.max_tokens,

@@ -63,12 +63,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         # A request scoring its prompt computes it all (see _admit): it expects no hit.
         if not request.scores_prompt:
-            request.expected_cached_tokens = self.kv.cached_prefix_tokens(request.token_ids)
+            salt = request.params.cache_salt
+            request.expected_cached_tokens = self.kv.cached_prefix_tokens(request.token_ids, salt)
         self.waiting.append(request)
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """Leading tokens of a prompt the prefix cache holds now (read-only; any thread)."""
-        return self.kv.cached_prefix_tokens(token_ids)
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading tokens of a prompt the prefix cache holds now under its salt (read-only; any thread)."""
+        return self.kv.cached_prefix_tokens(token_ids, cache_salt)
 
     @property
     def num_unfinished(self) -> int:
@@ -176,7 +177,7 @@ class Scheduler:
         """Move a waiting request to running with its first chunk; 0 if its blocks don't fit."""
         # A cached prefix has no logits: a request scoring its prompt computes it all (a lookup of nothing).
         cached = self.kv.match_prefix(
-            req.request_id, req.token_ids[:1] if req.scores_prompt else req.token_ids
+            req.request_id, req.token_ids[:1] if req.scores_prompt else req.token_ids, req.params.cache_salt
         )
         req.num_computed_tokens = cached
         n = min(req.num_uncomputed_tokens, left)
@@ -238,6 +239,7 @@ class Scheduler:
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
+            prefix_cache_collisions=kv.prefix_collisions,
             preemptions_total=self.num_preemptions,
             steps_total=self.timer.steps,
         )

@@ -201,6 +201,8 @@ class EngineStats:
     preemptions_total: int
     steps_total: int
     steps: StepSnapshot = field(default_factory=StepSnapshot)  # filled in by LLMEngine.stats()
+    # Lookups that found a block's key holding other tokens (a key collision): never reused.
+    prefix_cache_collisions: int = 0
 
     @property
     def kv_usage(self) -> float:
