@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -11,6 +11,16 @@ from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tailserve.model.loader import LoadedModel, default_model_path, load_model
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """Building an engine sets the process's torch thread count (its --num-threads): put it back, so
+    no test runs on what an earlier one left (the suite passes in any order: --random-order)."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tailserve.errors import ConfigError
 from tailserve.model import cpu_kernels
 from tailserve.model.attention import gather_blocks
 from tailserve.model.cpu_kernels import ptr
@@ -35,8 +36,37 @@ HAS_AMX = "amx_bf16" in CPU_FLAGS
 HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
 
 
+# Every kernel test runs once per instruction set this CPU can execute (TAILSERVE_CPU_ISA), so an
+# AMX machine also tests the AVX512-BF16 and portable builds a Zen 4 or an AVX2 machine runs.
+WHO_RUNS = {
+    "amx": "an Intel CPU with AMX (Sapphire Rapids or later)",
+    "avx512bf16": "a CPU with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake or later)",
+}
+
+
+def _forget_kernels() -> None:
+    cpu_kernels.load.cache_clear()
+    cpu_kernels.tile_isa.cache_clear()
+
+
+@pytest.fixture(scope="module", params=["amx", "avx512bf16", "portable"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernels built for one instruction set, for every test of the module that uses them."""
+    name: str = request.param
+    missing = [f for f in cpu_kernels.ISA_CPU_FLAGS.get(name, ()) if f not in CPU_FLAGS.split()]
+    if missing:
+        pytest.skip(
+            f"{cpu_kernels.ISA_ENV}={name} runs on {WHO_RUNS[name]}; this CPU lacks {', '.join(missing)}"
+        )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_kernels.ISA_ENV, name)
+        _forget_kernels()
+        yield name
+    _forget_kernels()
+
+
 @pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
+def lib(isa: str) -> ctypes.CDLL:
     built = cpu_kernels.load()
     if built is None:
         pytest.skip("no C compiler here: the torch path runs (tested everywhere else)")
@@ -44,14 +74,27 @@ def lib() -> ctypes.CDLL:
 
 
 @pytest.fixture(scope="module")
-def tiles(lib: ctypes.CDLL) -> ctypes.CDLL:
+def tiles(lib: ctypes.CDLL, isa: str) -> ctypes.CDLL:
     """The int4 / Q8_0 tile matmuls, on AMX or (without it) AVX512-BF16."""
     built = cpu_kernels.tile_matmuls()
     if built is None:
-        pytest.skip("this CPU has neither AMX nor AVX512-BF16: int4 runs on torch's kernel, the head on bf16")
+        pytest.skip(
+            f"the {isa} build has no tile matmul (int4 runs on torch's kernel, the head on bf16); "
+            "the amx and avx512bf16 builds test it"
+        )
     return built
 
 
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernels for the CPU's best instruction set, whichever `isa` the module is on now."""
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    _forget_kernels()
+    yield
+    _forget_kernels()
+
+
+@pytest.mark.usefixtures("native")
 def test_the_kernels_build_wherever_a_compiler_is() -> None:
     if not HAS_COMPILER:
         pytest.skip("no C compiler")
@@ -69,11 +112,37 @@ def test_the_kernels_build_wherever_a_compiler_is() -> None:
 def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """load() / tile_isa() forget what they built, and build under tmp_path; restored afterwards."""
     monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load.cache_clear()
-    cpu_kernels.tile_isa.cache_clear()
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)  # the CPU's best, whichever `isa` is on
+    _forget_kernels()
     yield
-    cpu_kernels.load.cache_clear()
-    cpu_kernels.tile_isa.cache_clear()
+    _forget_kernels()
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_the_isa_selector_builds_each_path_apart_and_refuses_what_the_cpu_lacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler")
+    flags = set(CPU_FLAGS.split())
+    built: dict[str, str] = {}
+    for isa, tile in cpu_kernels.ISA_TILE.items():
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+        _forget_kernels()
+        if not all(f in flags for f in cpu_kernels.ISA_CPU_FLAGS.get(isa, ())):
+            with pytest.raises(ConfigError, match=f"{isa} needs CPU flags .*it can run: native"):
+                cpu_kernels.load()
+            continue
+        lib = cpu_kernels.load()
+        assert lib is not None
+        assert cpu_kernels.tile_isa() == tile  # the build runs the path it was asked for, no other
+        built[isa] = lib._name
+    assert len(set(built.values())) == len(built)  # each its own file: the cache key holds the ISA
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == len(built)
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx3")
+    _forget_kernels()
+    with pytest.raises(ConfigError, match="must be one of native, amx, avx512bf16, portable, got 'avx3'"):
+        cpu_kernels.load()
 
 
 @pytest.mark.usefixtures("fresh_kernels")
@@ -284,18 +353,19 @@ def test_the_kernels_share_torchs_openmp_threads(lib: ctypes.CDLL, threads: Call
 
 
 def test_every_kernel_gives_the_same_bits_at_any_thread_count(
-    tiles: ctypes.CDLL, threads: Callable[[int], int]
+    lib: ctypes.CDLL, threads: Callable[[int], int]
 ) -> None:
     """Threads split outputs (tiles, sequences, rows), never a sum: 1, 2 and 3 threads agree bit for
-    bit on the int4 decode and (with AMX) prompt matmuls, the q8 head, decode attention and the row
-    kernels."""
+    bit on decode attention and the row kernels, and where the build has them on the int4 decode and
+    (with AMX) prompt matmuls and the q8 head."""
+    tiles = cpu_kernels.tile_matmuls()
     t = _blocks("Q4_1", 960, 576, seed=3)
     groups = int4_from_blocks(t)
-    assert groups is not None
-    q4 = pack_amx_int4(groups, tiles, torch.randn(960, generator=torch.Generator().manual_seed(4)))
     g8 = int8_groups_from_blocks(_blocks("Q8_0", 1000, 576, seed=5))
-    assert g8 is not None
-    q8 = pack_amx_int8(g8, tiles)
+    assert groups is not None and g8 is not None
+    bias = torch.randn(960, generator=torch.Generator().manual_seed(4))
+    q4 = None if tiles is None else pack_amx_int4(groups, tiles, bias)
+    q8 = None if tiles is None else pack_amx_int8(g8, tiles)
     bs, lens, heads, kv_heads, dim = 16, [1, 17, 100, 257, 40], 9, 3, 64
     width = max(-(-n // bs) for n in lens)
     g = torch.Generator().manual_seed(6)
@@ -314,15 +384,18 @@ def test_every_kernel_gives_the_same_bits_at_any_thread_count(
 
     def run() -> list[torch.Tensor]:
         attn = torch.empty_like(q)
-        tiles.ts_paged_decode_attention(
+        lib.ts_paged_decode_attention(
             ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), width, ptr(seq_lens), ptr(attn),
             len(lens), heads, kv_heads, dim, bs, dim**-0.5,
         )  # fmt: skip
         act, h, normed = torch.empty(300, 1536, dtype=torch.bfloat16), h0.clone(), torch.empty_like(delta)
-        tiles.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
-        tiles.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
-        prompt = [q4.prefill_matmul(x_prompt)] if cpu_kernels.amx() is not None else []
-        return [q4.matmul(x_decode), *prompt, q8.matmul(x_decode), attn, act, h, normed]
+        lib.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
+        lib.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
+        out = [attn, act, h, normed]
+        if q4 is not None and q8 is not None:
+            out += [q4.matmul(x_decode), q8.matmul(x_decode)]
+            out += [q4.prefill_matmul(x_prompt)] if cpu_kernels.amx() is not None else []
+        return out
 
     assert threads(1) == 1
     alone = run()

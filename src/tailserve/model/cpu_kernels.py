@@ -6,6 +6,8 @@ pointers, and decode attention reads the paged cache in place. The shared object
 $TAILSERVE_CACHE_DIR/kernels (default ~/.cache/tailserve/kernels), named by a hash of the source,
 the compiler and its flags, so an edit or another CPU builds afresh. Without a compiler, `load()`
 returns None and the model runs the torch path (same results within bf16 rounding).
+TAILSERVE_CPU_ISA picks a lower instruction set than the CPU's best (docs/ENGINE.md, "Which kernel
+each CPU gets"), so every path this machine can execute is tested on it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tailserve.errors import ConfigError
 from tailserve.model.user_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,18 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-s
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
 OPENMP = "-fopenmp"
 DISABLE_ENV = "TAILSERVE_CPU_KERNELS"  # "0" turns the kernels off (the torch path runs)
+ISA_ENV = "TAILSERVE_CPU_ISA"  # native (default) | amx | avx512bf16 | portable
+# What each ISA adds to -march=native on x86-64: AMX off for avx512bf16, all of AVX-512 (and so
+# AMX, whose kernels need AVX512-BF16) off for portable. Elsewhere only native and portable exist,
+# and both are the plain -march=native build.
+ISA_FLAGS: dict[str, list[str]] = {
+    "native": [],
+    "amx": [],
+    "avx512bf16": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
+    "portable": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
+}
+ISA_CPU_FLAGS = {"amx": ("amx_tile", "amx_bf16", "avx512_bf16"), "avx512bf16": ("avx512_bf16",)}
+ISA_TILE = {"amx": 2, "avx512bf16": 1, "portable": 0}  # what ts_tile_isa must say under each
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -60,11 +75,33 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str, target: Path) -> None:
+def selected_isa() -> str:
+    """The instruction set the kernels are built for: TAILSERVE_CPU_ISA, checked against this CPU.
+    A set the CPU lacks is a ConfigError naming what it has, never a silent step down."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ConfigError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    if isa in ("amx", "avx512bf16") and platform.machine() not in ("x86_64", "AMD64"):
+        raise ConfigError(f"{ISA_ENV}={isa} is an x86-64 instruction set; this is {platform.machine()}")
+    flags = set(_cpu_flags().split())
+    missing = [f for f in ISA_CPU_FLAGS.get(isa, ()) if f not in flags]
+    if missing:
+        can = ", ".join(i for i in ISA_FLAGS if all(f in flags for f in ISA_CPU_FLAGS.get(i, ())))
+        raise ConfigError(
+            f"{ISA_ENV}={isa} needs CPU flags {', '.join(missing)}, which this CPU lacks; it can run: {can}"
+        )
+    return isa
+
+
+def _isa_flags(isa: str) -> list[str]:
+    return ISA_FLAGS[isa] if platform.machine() in ("x86_64", "AMD64") else []
+
+
+def _build(cc: str, target: Path, isa: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        for flags in ([*FLAGS, OPENMP], FLAGS):
+        for flags in ([*FLAGS, *_isa_flags(isa), OPENMP], [*FLAGS, *_isa_flags(isa)]):
             cmd = [cc, *flags, str(SOURCE), "-o", str(out), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
@@ -76,10 +113,10 @@ def _build(cc: str, target: Path) -> None:
         os.replace(out, target)  # atomic: a concurrent builder never loads half a file
 
 
-def _target(cc: str) -> Path:
+def _target(cc: str, isa: str) -> Path:
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update("\0".join([cc, *FLAGS, OPENMP, platform.machine(), _cpu_flags()]).encode())
+    key.update("\0".join([cc, *FLAGS, *_isa_flags(isa), OPENMP, platform.machine(), _cpu_flags()]).encode())
     return kernel_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -97,14 +134,15 @@ def load() -> ctypes.CDLL | None:
     """The kernels, built if needed; None where they cannot be (no compiler, not x86/arm, disabled)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
+    isa = selected_isa()
     cc = _compiler()
     if cc is None or platform.system() != "Linux":
         log.info("fused CPU kernels unavailable (no C compiler on Linux); the torch path runs")
         return None
-    target = _target(cc)
+    target = _target(cc, isa)
     try:
         if not target.exists():
-            _build(cc, target)
+            _build(cc, target, isa)
             log.info("built fused CPU kernels: %s", target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -122,6 +160,11 @@ def load() -> ctypes.CDLL | None:
     lib.ts_set_threads.argtypes = [ctypes.c_int]
     lib.ts_set_threads.restype = ctypes.c_int
     lib.ts_threads.restype = ctypes.c_int
+    want = ISA_TILE.get(isa)
+    if want is not None and lib.ts_tile_isa() != want:  # e.g. the OS refused AMX tile data
+        raise ConfigError(
+            f"{ISA_ENV}={isa}: the kernels built for it run on tile ISA {lib.ts_tile_isa()} here, not {want}"
+        )
     return lib
 
 
