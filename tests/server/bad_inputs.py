@@ -136,6 +136,10 @@ BAD_INPUTS: list[BadInput] = [
         "/v1/chat/completions",
     ),
     BadInput("chat unknown model", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "/v1/chat/completions"),
+    BadInput("empty cache_salt", {"model": TINY, "prompt": "a", "cache_salt": ""}, 400, "cache_salt"),
+    BadInput("cache_salt as number", {"model": TINY, "prompt": "a", "cache_salt": 7}, 400, "cache_salt"),
+    BadInput("cache_salt of 257 characters", {"model": TINY, "prompt": "a", "cache_salt": "s" * 257}, 400, "cache_salt"),
+    BadInput("empty cache_salt in chat", {**_chat("x"), "cache_salt": ""}, 400, "cache_salt", "/v1/chat/completions"),
 ]  # fmt: skip
 
 GOOD = json.dumps({"model": TINY, "prompt": "fine", "max_tokens": 2}).encode()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tailserve.engine.request import MAX_CACHE_SALT_CHARS
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.errors import InvalidJSONError, UnsupportedParameterError, to_http
 from tailserve.server.generation_defaults import GenerationDefaults, read_generation_defaults
@@ -22,6 +23,7 @@ from tailserve.server.protocol import (
     validate_body,
 )
 from tailserve.server.sampling_args import sampling_params
+from tailserve.server.serving import api_key_cache_salt
 from tests.server.fake_engine import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -180,6 +182,26 @@ def test_bad_sampling_extensions_name_the_field(fields: dict[str, Any], param: s
         sampling_params(completion(**fields), 2, 100, 1024)
     assert info.value.param == param
     assert to_http(info.value).status == 400
+
+
+def test_cache_salt_reaches_sampling_params_and_a_bad_one_names_the_field() -> None:
+    assert sampling_params(completion(cache_salt="tenant-1"), 2, 100, 1024).cache_salt == "tenant-1"
+    assert sampling_params(chat(cache_salt="t" * MAX_CACHE_SALT_CHARS), 2, 100, 1024).cache_salt
+    assert sampling_params(completion(), 2, 100, 1024).cache_salt is None
+    for salt in ("", "t" * (MAX_CACHE_SALT_CHARS + 1)):
+        with pytest.raises(InvalidRequestError) as info:
+            sampling_params(chat(cache_salt=salt), 2, 100, 1024)
+        assert info.value.param == "cache_salt"
+    with pytest.raises(InvalidRequestError) as info:
+        completion(cache_salt=["a"])
+    assert info.value.param == "cache_salt"
+
+
+def test_api_key_salts_keep_keys_apart_and_a_request_salt_divides_its_key() -> None:
+    salts = {api_key_cache_salt(key, salt) for key in ("key-1", "key-2") for salt in (None, "a", "b")}
+    assert len(salts) == 6
+    assert api_key_cache_salt("key-1", "a") == api_key_cache_salt("key-1", "a")
+    assert all(len(s) <= MAX_CACHE_SALT_CHARS for s in salts)
 
 
 def test_logprobs_fields_reach_sampling_params() -> None:

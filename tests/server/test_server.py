@@ -13,7 +13,9 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -475,6 +477,7 @@ def test_metrics_parse_and_histograms_move(tiny: str) -> None:
         "tailserve_prefix_cache_hit_rate",
         "tailserve_prefix_cache_queries",
         "tailserve_prefix_cache_hits",
+        "tailserve_prefix_cache_collisions",
         "tailserve_requests_finished",
         "tailserve_preemptions",
         "tailserve_requests_rejected",
@@ -491,6 +494,50 @@ def test_metrics_parse_and_histograms_move(tiny: str) -> None:
     assert value(tiny, "tailserve_inter_token_latency_seconds_count") == itl + 5
     assert value(tiny, "tailserve_ready") == 1
     assert value(tiny, "tailserve_e2e_request_latency_seconds_bucket", le="120.0") >= 1
+
+
+def _cached_tokens(base: str, text: str, chat: bool = False, api_key: str = "unused", **body: Any) -> int:
+    """usage.prompt_tokens_details.cached_tokens of a one-token request for `text`."""
+    c = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0)
+    r: Any
+    if chat:
+        messages = [{"role": "user", "content": text}]
+        r = c.chat.completions.create(model=TINY, messages=messages, max_tokens=1, extra_body=body)
+    else:
+        r = c.completions.create(model=TINY, prompt=text, max_tokens=1, extra_body=body)
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cache_salt_shares_cached_blocks_within_a_salt_only(tiny: str, chat: bool) -> None:
+    text = f"{uuid.uuid4().hex}: a system prompt nobody has sent this server before today."
+    assert _cached_tokens(tiny, text, chat, cache_salt="tenant-a") == 0
+    hit = _cached_tokens(tiny, text, chat, cache_salt="tenant-a")
+    assert hit >= 64  # its full blocks (16 tokens each), all but the last token
+    assert _cached_tokens(tiny, text, chat, cache_salt="tenant-b") == 0
+    assert _cached_tokens(tiny, text, chat) == 0  # no salt: not the salted requests' blocks either
+    assert _cached_tokens(tiny, text, chat, cache_salt="tenant-b") == hit
+    assert _cached_tokens(tiny, text, chat) == hit
+    assert value(tiny, "tailserve_prefix_cache_collisions_total") == 0
+    assert_idle(tiny)
+
+
+def test_cache_salt_from_api_key_keeps_keys_apart(tmp_path: Path) -> None:
+    classes = tmp_path / "slo_classes.json"
+    classes.write_text(json.dumps({"api_keys": {"key-2": "interactive"}}))  # a second key
+    args = ["--model", "dummy:tiny", "--api-key", "key-1", "--slo-classes", str(classes)]
+    with serve_process([*args, "--cache-salt-from-api-key", "--slo-ttft", "60"]) as server:
+        text = "A system prompt that both keys send, long enough for several blocks."
+        assert _cached_tokens(server.base, text, api_key="key-1") == 0
+        hit = _cached_tokens(server.base, text, api_key="key-1")
+        assert hit >= 48
+        assert _cached_tokens(server.base, text, api_key="key-2") == 0
+        assert _cached_tokens(server.base, text, api_key="key-2") == hit
+        # A request's own salt divides its key's share of the cache; the same salt under another
+        # key is still another key's.
+        assert _cached_tokens(server.base, text, api_key="key-1", cache_salt="x") == 0
+        assert _cached_tokens(server.base, text, api_key="key-2", cache_salt="x") == 0
 
 
 def test_overload_with_tiny_queue_gives_429_and_accepted_requests_complete() -> None:

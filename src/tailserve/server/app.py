@@ -67,7 +67,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics.admission_correction.set_function(admission.correction.factor)
     state = ServerState(engine, config, admission, metrics, int(time.time()))
     slo_classes = config.slo_classes or SloClasses.builtin(engine.config.scheduler)
-    serving = Serving(engine, admission, metrics, config.max_tokens_default, config.generation, slo_classes)
+    serving = Serving(
+        engine,
+        admission,
+        metrics,
+        config.max_tokens_default,
+        config.generation,
+        slo_classes,
+        cache_salt_from_api_key=config.cache_salt_from_api_key,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

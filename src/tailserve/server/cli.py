@@ -72,6 +72,12 @@ def register(subparsers: Any) -> None:
     c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    c.add_argument(
+        "--prefix-cache-seed",
+        default=os.environ.get("PYTHONHASHSEED"),
+        help="root of the prefix cache's block keys, as vLLM's PYTHONHASHSEED (its default here): set "
+        "it to let routers rebuild the keys from tokens; unset, a random root per process",
+    )
     s = p.add_argument_group("scheduler and admission")
     s.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
@@ -125,6 +131,12 @@ def register(subparsers: Any) -> None:
     )
     h.add_argument("--max-body-bytes", default="4MiB", help="request body limit, e.g. 4MiB (413 beyond)")
     h.add_argument(
+        "--cache-salt-from-api-key",
+        action="store_true",
+        help="derive each request's cache_salt from its API key (and its own cache_salt), so different "
+        "keys never share prefix-cache blocks (default off: the request's cache_salt, as vLLM)",
+    )
+    h.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
     h.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -175,6 +187,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching,
+            prefix_cache_seed=args.prefix_cache_seed,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -202,6 +215,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         slo_classes=slo_classes,
         switch_interval_s=args.switch_interval_ms / 1000,
         admission_correction=not args.no_admission_correction,
+        cache_salt_from_api_key=args.cache_salt_from_api_key,
     )
     return engine, server
 

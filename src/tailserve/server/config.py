@@ -36,6 +36,9 @@ class ServerConfig:
     # Admission scales the engine's TTFT predictions by the error it learned from admitted requests
     # (server/admission.py WaitCorrection); False: the engine's predictions as they are.
     admission_correction: bool = True
+    # Each request's cache_salt is derived from its API key (and its own salt), so keys never share
+    # prefix-cache blocks (docs/SERVER.md "cache_salt"); off: the request's own cache_salt, as vLLM.
+    cache_salt_from_api_key: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -38,6 +38,7 @@ class _CounterBaseline:
     prefix_cache_hits: int = 0
     preemptions_total: int = 0
     steps: StepSnapshot = field(default_factory=StepSnapshot)
+    prefix_cache_collisions: int = 0
 
 
 def _histogram(
@@ -115,6 +116,12 @@ class _EngineCollector:
                 "tailserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries
             ),
             counter("tailserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+            counter(
+                "tailserve_prefix_cache_collisions",
+                "Prefix-cache lookups that found a block's key holding other tokens (a key collision); "
+                "that block is never reused.",
+                (s.prefix_cache_collisions - b.prefix_cache_collisions) if s else 0,
+            ),
             counter(
                 "tailserve_preemptions",
                 "Requests preempted (recompute).",
@@ -220,7 +227,11 @@ class ServerMetrics:
         """Start the engine counters from here: what warm-up did is not shown."""
         s = self._stats()
         self._engine.baseline = _CounterBaseline(
-            s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions_total, s.steps
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.preemptions_total,
+            s.steps,
+            s.prefix_cache_collisions,
         )
 
     def observe_finished(self, out: RequestOutput, slo: SloTarget | None = None) -> None:

@@ -78,6 +78,7 @@ class CommonRequest(_Body):
     structured_outputs: StructuredOutputs | None = None  # extension, as vLLM
     slo: SloRequest | None = None  # extension: own TTFT/TPOT targets (server/slo_classes.py)
     priority: int | str | None = None  # extension: an SLO class name, or vLLM's integer priority
+    cache_salt: str | None = None  # extension, as vLLM: only requests with the same salt share cached blocks
     # Accepted and unused: they change no output here (no stored completions, one service tier).
     user: str | None = None
     store: bool | None = None

@@ -90,6 +90,7 @@ def sampling_params(
             logprobs=_logprobs(req),
             grammar=grammar,
             prompt_logprobs=_prompt_logprobs(req, max_tokens),
+            cache_salt=req.cache_salt,
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
@@ -72,8 +74,10 @@ class Serving:
         max_tokens_default: int,
         defaults: GenerationDefaults,
         slo_classes: SloClasses | None = None,
+        cache_salt_from_api_key: bool = False,
     ) -> None:
         self._engine = engine
+        self._cache_salt_from_api_key = cache_salt_from_api_key
         self._slo_classes = slo_classes or SloClasses.builtin(engine.config.scheduler)
         self._admission = admission
         self._metrics = metrics
@@ -93,7 +97,7 @@ class Serving:
 
     def prepare(self, kind: Kind, body: bytes, api_key: str | None = None) -> tuple[Job, list[EngineInput]]:
         """Body -> validated engine inputs (one per prompt of a list); raises before anything is queued.
-        `api_key` (the caller's bearer token) may pick the request's SLO class."""
+        `api_key` (the caller's bearer token) may pick the request's SLO class and its cache_salt."""
         data = parse_json(body)
         tokenizer = self._engine.tokenizer
         req: CompletionRequest | ChatCompletionRequest
@@ -110,7 +114,10 @@ class Serving:
         all_params = [sampling_params(req, len(ids), limit, default, self._defaults) for ids in prompts]
         slo_body = req.slo.model_dump() if req.slo is not None else None
         slo = self._slo_classes.for_request(api_key, req.model, req.priority, slo_body)
-        all_params = [dataclasses.replace(p, slo=slo) for p in all_params]
+        salt = req.cache_salt
+        if self._cache_salt_from_api_key and api_key is not None:
+            salt = api_key_cache_salt(api_key, salt)
+        all_params = [dataclasses.replace(p, slo=slo, cache_salt=salt) for p in all_params]
         params = all_params[0]
         options = req.stream_options
         include_usage = options is not None and options.include_usage
@@ -352,6 +359,12 @@ class _Run:
                 await aclose()
         finally:
             self.ticket.done()
+
+
+def api_key_cache_salt(api_key: str, cache_salt: str | None) -> str:
+    """--cache-salt-from-api-key: one salt per (key, the request's own salt); a digest, so the key
+    itself never reaches the engine, and no other key's requests can name the same salt."""
+    return hashlib.sha256(json.dumps([api_key, cache_salt]).encode()).hexdigest()
 
 
 def _with_logprobs(params: SamplingParams) -> SamplingParams:
