@@ -6,6 +6,7 @@ from collections import Counter
 
 from tailserve.router.policies import (
     Candidate,
+    Decision,
     LeastLoad,
     PrefixAffinity,
     RoundRobin,
@@ -19,8 +20,8 @@ from tailserve.router.request_info import prompt_text, route_request
 A, B, C = "http://a", "http://b", "http://c"
 
 
-def _req(prompt: str = "", key: str | None = None) -> RouteRequest:
-    return RouteRequest(session_key=key, prompt_text=prompt)
+def _req(prompt: str = "", key: str | None = None, salt: str | None = None) -> RouteRequest:
+    return RouteRequest(session_key=key, prompt_text=prompt, cache_salt=salt)
 
 
 def test_round_robin_cycles_through_candidates() -> None:
@@ -108,6 +109,22 @@ def test_prefix_remembers_several_holders_of_a_shared_prompt() -> None:
     assert (decision.url, decision.reason) == (B, "prefix_hit")  # both hold "shar": the less loaded
 
 
+def test_prefix_places_salted_prompts_by_salt() -> None:
+    """Identical prompts under two cache_salts share no cached block on a replica, so each salt's
+    requests follow the replica that served that salt, and an unseen salt (or none) goes by load."""
+    policy = PrefixAffinity(block_chars=4, load_bound=2.0, max_blocks=100)
+    cands = [Candidate(A, 0), Candidate(B, 0), Candidate(C, 0.5)]
+    policy.record(_req("systemprompt-q1", salt="tenant-a"), A)
+    policy.record(_req("systemprompt-q1", salt="tenant-b"), B)
+    for _ in range(3):
+        assert policy.choose(_req("systemprompt-q2", salt="tenant-a"), cands) == Decision(A, "prefix_hit")
+        assert policy.choose(_req("systemprompt-q2", salt="tenant-b"), cands) == Decision(B, "prefix_hit")
+    assert policy.matched_blocks(_req("systemprompt-q2", salt="tenant-a")) == {A: 3}
+    assert policy.choose(_req("systemprompt-q2", salt="tenant-c"), cands).reason == "prefix_miss"
+    assert policy.choose(_req("systemprompt-q2"), cands).reason == "prefix_miss"
+    assert prefix_block_hashes("abcdefgh", 4, "s") != prefix_block_hashes("abcdefgh", 4)
+
+
 def test_make_policy_names() -> None:
     for name in ("round_robin", "hash", "least_load", "prefix"):
         assert make_policy(name).name == name
@@ -134,3 +151,9 @@ def test_session_key_from_user_then_header() -> None:
     assert route_request({"user": "u1"}, {"x-session-id": "s1"}).session_key == "u1"
     assert route_request({"prompt": "p"}, {"x-session-id": "s1"}).session_key == "s1"
     assert route_request({"prompt": "p"}, {}).session_key is None
+
+
+def test_cache_salt_from_the_body() -> None:
+    assert route_request({"prompt": "p", "cache_salt": "tenant-a"}, {}).cache_salt == "tenant-a"
+    for bad in ("", 7, None):
+        assert route_request({"prompt": "p", "cache_salt": bad}, {}).cache_salt is None

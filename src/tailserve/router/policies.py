@@ -1,7 +1,8 @@
 """Placement policies: given the candidate replicas and their loads, pick one and say why.
 
 Policies are pure choices over values (no I/O, no clock), so each is unit-tested on constructed
-loads. Only `PrefixAffinity` keeps state: which replica last served each prompt-prefix block.
+loads. Only `PrefixAffinity` keeps state: which replica last served each prompt-prefix block (under
+each cache_salt, as the replicas cache them).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ class Candidate:
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a policy may look at: the session key (`user` / X-Session-Id) and the prompt text."""
+    """What a policy may look at: the session key (`user` / X-Session-Id), the prompt text and the
+    request's `cache_salt` (prompts under different salts share no cached block on a replica)."""
 
     session_key: str | None
     prompt_text: str
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,11 @@ class LeastLoad:
         """Nothing to learn."""
 
 
-def prefix_block_hashes(text: str, block_chars: int) -> list[int]:
-    """Chained hashes of the text's full `block_chars` blocks: hash i identifies text[: (i+1)*block]."""
+def prefix_block_hashes(text: str, block_chars: int, cache_salt: str | None = None) -> list[int]:
+    """Chained hashes of the text's full `block_chars` blocks: hash i identifies text[: (i+1)*block]
+    under `cache_salt` (the chain starts from the salt, as a replica's block keys do)."""
     hashes: list[int] = []
-    previous = 0
+    previous = 0 if cache_salt is None else _stable_hash("cache_salt", cache_salt)
     for start in range(0, len(text) - block_chars + 1, block_chars):
         previous = _stable_hash(str(previous), text[start : start + block_chars])
         hashes.append(previous)
@@ -150,7 +154,8 @@ class PrefixAffinity:
     def matched_blocks(self, request: RouteRequest) -> dict[str, int]:
         """How many leading prefix blocks each replica holds for this prompt."""
         depth: dict[str, int] = {}
-        for i, block in enumerate(prefix_block_hashes(request.prompt_text, self._block_chars)):
+        blocks = prefix_block_hashes(request.prompt_text, self._block_chars, request.cache_salt)
+        for i, block in enumerate(blocks):
             holders = self._holders.get(block)
             if not holders:
                 break
@@ -172,7 +177,7 @@ class PrefixAffinity:
 
     def record(self, request: RouteRequest, url: str) -> None:
         """Remember that `url` now holds every full block of this prompt."""
-        for block in prefix_block_hashes(request.prompt_text, self._block_chars):
+        for block in prefix_block_hashes(request.prompt_text, self._block_chars, request.cache_salt):
             holders = tuple(u for u in self._holders.get(block, ()) if u != url) + (url,)
             self._holders[block] = holders[-self.REPLICAS_PER_BLOCK :]
             self._holders.move_to_end(block)

@@ -1,4 +1,4 @@
-"""What the policies see of a request body: its session key and its prompt as plain text.
+"""What the policies see of a request body: its session key, its prompt as plain text, its cache_salt.
 
 Chat messages are rendered role by role so that conversations sharing a history share a prefix.
 """
@@ -43,7 +43,10 @@ def prompt_text(body: Mapping[str, Any]) -> str:
 
 
 def route_request(body: Mapping[str, Any], headers: Mapping[str, str]) -> RouteRequest:
-    """The session key (`user` field, else the X-Session-Id header) and the prompt text."""
+    """The session key (`user` field, else the X-Session-Id header), the prompt text and the
+    `cache_salt` (a bad one is the replica's 400 to give; here it is no salt)."""
     user = body.get("user")
     key = user if isinstance(user, str) and user else headers.get(SESSION_HEADER) or None
-    return RouteRequest(session_key=key, prompt_text=prompt_text(body))
+    salt = body.get("cache_salt")
+    salt = salt if isinstance(salt, str) and salt else None
+    return RouteRequest(session_key=key, prompt_text=prompt_text(body), cache_salt=salt)
