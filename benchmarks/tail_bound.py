@@ -35,7 +35,7 @@ A sweep answers "could a scheduler setting reach the target"; the targets (TPOT 
 slowdown P99/mean <= 2.0 at 80% of capacity) are printed beside. The model leaves out the HTTP
 layer (`--server-step-ms` adds a fixed share per step), the machine's noise and admission, so it
 flatters: a row that misses here misses on the machine, and a row that passes here still has to
-pass there. Checked against served runs: docs/BENCHMARKS.md. Deterministic: the same arguments give
+pass there. Checked against served runs: docs/notes/tail-under-slo.md. Deterministic: the same arguments give
 the same table.
 """
 
