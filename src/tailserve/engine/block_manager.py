@@ -1,9 +1,9 @@
 """The paged KV pool's bookkeeping: reference-counted blocks, a prefix cache of full blocks, LRU.
 
 A full block is cached under its key (engine/block_keys.py) with the content the key was computed
-from, and a hit must match that content and the very block it followed: a key collision is a miss,
-never a wrong reuse. A free block keeps its cached content until evicted (least recently freed
-first). This module never touches tensors: it hands out block ids.
+from; a hit must match that content in full and follow the very entry its KV was computed after, so
+a key collision is a miss (counted), never a wrong reuse. A free block keeps its cached content until
+evicted (least recently freed first). This module never touches tensors: it hands out block ids.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from tailserve.engine.block_keys import BlockKey, BlockKeys, ExtraKeys, first_bl
 ROOT_SERIAL = 0  # what a prompt's first block follows
 
 
-class BlockContent(NamedTuple):
-    """What a full block's key is computed from: the parent's key (None: the root), tokens, extra keys."""
-
-    parent_key: BlockKey | None
-    token_ids: tuple[int, ...]
-    extra: ExtraKeys
+# What a full block's key is computed from: (the parent's key, None for the root; token ids; extra keys).
+# A plain tuple: a lookup builds one per block, and compares it in full.
+BlockContent = tuple[BlockKey | None, tuple[int, ...], ExtraKeys]
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,8 @@ class SeqBlocks:
 
 
 class BlockPool:
-    """Fixed set of blocks with reference counts, a key -> block map and an LRU queue of free blocks."""
+    """Fixed set of blocks with reference counts, the cache entries by key and by content, and an LRU
+    queue of free blocks."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -78,7 +76,10 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         # Free blocks, least recently freed first; cached ones stay findable until popped.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[BlockKey, int] = {}
+        self._cached: dict[BlockKey, int] = {}  # key -> the block holding it
+        # The same entries by content (compared in full): a lookup of a cached prefix hashes nothing
+        # again, and finds exactly the entry its key names, a key being a function of the content.
+        self._by_content: dict[BlockContent, CachedBlock] = {}
         self._serials = itertools.count(ROOT_SERIAL + 1)
 
     @property
@@ -104,6 +105,7 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         if block.cached is not None:
             del self._cached[block.cached.key]
+            del self._by_content[block.cached.content]
             block.cached = None
 
     def _entry(self, key: BlockKey) -> CachedBlock | None:
@@ -111,12 +113,16 @@ class BlockPool:
         # None also when another thread's eviction comes between the two reads.
         return self.blocks[block_id].cached if block_id is not None else None
 
-    def find(self, key: BlockKey, content: BlockContent, parent_serial: int) -> CachedBlock | None:
-        """The entry under `key` holding exactly this content after the entry `parent_serial`, else None
-        (the same content after another entry: the block it followed was evicted and cached again)."""
-        entry = self._entry(key)
-        ok = entry is not None and entry.content == content and entry.parent_serial == parent_serial
-        return entry if ok else None
+    def find(self, content: BlockContent, parent_serial: int) -> CachedBlock | None:
+        """The entry holding exactly this content after the entry `parent_serial`, else None (the same
+        content after another entry: the block it followed was evicted and cached again)."""
+        entry = self._by_content.get(content) if self.enable_prefix_caching else None
+        return entry if entry is not None and entry.parent_serial == parent_serial else None
+
+    def cached_key(self, content: BlockContent) -> BlockKey | None:
+        """The key of this content when a block holds it (saves hashing it again)."""
+        entry = self._by_content.get(content)
+        return entry.key if entry is not None else None
 
     def collides(self, key: BlockKey, content: BlockContent) -> bool:
         """Whether `key` is cached with other content: a hash collision, never reused."""
@@ -156,6 +162,7 @@ class BlockPool:
         entry = CachedBlock(key, content, next(self._serials), parent_serial, block_id)
         self.blocks[block_id].cached = entry
         self._cached[key] = block_id
+        self._by_content[content] = entry
         return entry.serial
 
 
@@ -202,50 +209,49 @@ class KVCacheManager:
     ) -> BlockContent:
         """Full block i of `token_ids` after the block keyed `parent_key`: what its key is computed from."""
         bs = self.block_size
-        extra = first_extra if i == 0 else None
-        return BlockContent(parent_key, tuple(token_ids[i * bs : (i + 1) * bs]), extra)
+        return (parent_key, tuple(token_ids[i * bs : (i + 1) * bs]), first_extra if i == 0 else None)
 
     def _cached_run(
         self, token_ids: Sequence[int], first_extra: ExtraKeys
-    ) -> tuple[list[int], list[Link], bool]:
-        """The cached blocks holding the prompt's leading full blocks, at least its last token left to
-        compute (its logits are needed); their links; whether the first miss was a collision."""
-        blocks: list[int] = []
-        links: list[Link] = []
+    ) -> tuple[list[CachedBlock], BlockContent | None]:
+        """The cache entries holding the prompt's leading full blocks, at least its last token left to
+        compute (its logits are needed), and the content of the first block not found (None: none)."""
+        entries: list[CachedBlock] = []
         if not self.pool.enable_prefix_caching:
-            return blocks, links, False
+            return entries, None
         parent_key, parent_serial = None, ROOT_SERIAL
         for i in range((len(token_ids) - 1) // self.block_size):
             content = self._content(parent_key, token_ids, i, first_extra)
-            key = self.keys.key(*content)
-            entry = self.pool.find(key, content, parent_serial)
+            entry = self.pool.find(content, parent_serial)
             if entry is None:
-                return blocks, links, self.pool.collides(key, content)
-            blocks.append(entry.block_id)
-            links.append(Link(key, entry.serial))
-            parent_key, parent_serial = key, entry.serial
-        return blocks, links, False
+                return entries, content
+            entries.append(entry)
+            parent_key, parent_serial = entry.key, entry.serial
+        return entries, None
 
     def match_prefix(self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Start a sequence, reusing cached full blocks of its prefix (under its cache_salt: other salts'
-        blocks are never found); returns the cached token count."""
+        blocks are never found); returns the cached token count. The first block not found is hashed:
+        its key held by other content is a collision, counted."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already has blocks")
         extra = first_block_extra(cache_salt)
-        blocks, chain, collided = self._cached_run(token_ids, extra)
-        for block_id in blocks:
-            self.pool.touch(block_id)
-        self.prefix_collisions += collided
-        self._seqs[seq_id] = SeqBlocks(blocks, chain, extra)
-        return len(blocks) * self.block_size
+        entries, missed = self._cached_run(token_ids, extra)
+        if missed is not None and self.pool.collides(self.keys.key(*missed), missed):
+            self.prefix_collisions += 1
+        for entry in entries:
+            self.pool.touch(entry.block_id)
+        chain = [Link(entry.key, entry.serial) for entry in entries]
+        self._seqs[seq_id] = SeqBlocks([entry.block_id for entry in entries], chain, extra)
+        return len(entries) * self.block_size
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading tokens of `token_ids` match_prefix would find cached now, changing nothing
-        (no LRU touch, no counters): what admission prices a prompt by. Safe to call from another
-        thread than the step loop's: each lookup reads one dict entry and one frozen cache entry, and
-        a block evicted meanwhile only makes the count stale, as an estimate may be."""
-        blocks, _, _ = self._cached_run(token_ids, first_block_extra(cache_salt))
-        return len(blocks) * self.block_size
+        (no LRU touch, no counters, no key computed): what admission prices a prompt by. Safe to call
+        from another thread than the step loop's: each lookup reads one dict entry, a frozen one, and a
+        block evicted meanwhile only makes the count stale, as an estimate may be."""
+        entries, _ = self._cached_run(token_ids, first_block_extra(cache_salt))
+        return len(entries) * self.block_size
 
     def count_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """Record one admitted request's prefix-cache lookup (tokens asked for, tokens found)."""
@@ -270,7 +276,7 @@ class KVCacheManager:
         parent = seq.chain[-1] if seq.chain else ROOT_LINK
         for i in range(len(seq.chain), full):
             content = self._content(parent.key, token_ids, i, seq.extra)
-            key = self.keys.key(*content)
+            key = self.pool.cached_key(content) or self.keys.key(*content)
             serial = None
             if parent.serial is not None:
                 serial = self.pool.register(seq.table[i], key, content, parent.serial)
