@@ -3,11 +3,15 @@ policy, in virtual time, on the step costs measured here: no model, no HTTP, no 
 
     .venv/bin/python benchmarks/tail_bound.py --rate 3.22                  # every sweep, the defaults
     .venv/bin/python benchmarks/tail_bound.py --validate RUN.jsonl         # against a served run
-    .venv/bin/python benchmarks/tail_bound.py --costs bench-results/step-model.json --rate 3.22
+    .venv/bin/python benchmarks/tail_bound.py --measure-costs bench-results/step-costs.json --rate 3.22
+    .venv/bin/python benchmarks/tail_bound.py --costs bench-results/step-costs.json --rate 3.22
 
 A step costs `fixed + per decode row x rows + (prompt-step fixed if it carries prompt tokens) + per
-prompt token x tokens`, the least-squares fit of the steps `benchmarks/step_model.py` logged (the
-defaults below, or `--costs` to refit from such a log). The scheduler (tailserve.engine.scheduler,
+prompt token x tokens`, the least-squares fit of logged engine steps: the defaults below, `--costs`
+to refit from a saved log, or `--measure-costs` to log one here first (an in-process engine of the
+default model serves --measure-requests arrivals of the same workload at --rate in real time, every
+request admitted, and every step's decode rows, prompt tokens and wall seconds are saved; never
+beside another measurement). The scheduler (tailserve.engine.scheduler,
 policy, StepTimer) plans every step as it does in the server; time advances by the step's cost.
 Every request is admitted (no 429) and runs to its output length; KV blocks are plentiful (no
 preemption). Arrivals are the long-tail chat workload of docs/COMPARE.md at x0.25: Poisson,
@@ -47,6 +51,7 @@ import datetime
 import json
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,14 +61,15 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-from engine_replay import load_arrivals
+from compare.analyze import read_rows
 from machine import git_commit, machine_line
 
 from tailserve.bench.intervals import percentile_interval
 from tailserve.bench.lengths import parse_length_dist
-from tailserve.config import SchedulerConfig
+from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import scheduler as scheduler_module
 from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import Request, RequestTimings, SamplingParams
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import StepTimer
@@ -93,7 +99,7 @@ class StepCost:
 
     @staticmethod
     def fit(steps: Sequence[Sequence[float]]) -> StepCost:
-        """Least squares over (decode rows, prompt tokens, seconds) rows, as step_model.py logs them."""
+        """Least squares over (decode rows, prompt tokens, seconds) rows, as `measure_steps` logs them."""
         a = np.asarray(steps, dtype=float)
         rows, tokens, seconds = a[:, 0], a[:, 1], a[:, 2]
         x = np.c_[np.ones_like(rows), rows, (tokens > 0).astype(float), tokens]
@@ -117,6 +123,62 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> list[Arrival]:
     prompts = parse_length_dist(PROMPTS).sample(rng, n)
     outputs = parse_length_dist(OUTPUTS).sample(rng, n)
     return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
+def served_arrivals(path: Path) -> list[Arrival]:
+    """(send time s, prompt tokens, output tokens) of a bench run's warm-up and measured requests, from
+    the .jsonl `tailserve bench` saved (a compare probe's `runs/NAME.jsonl`), in time order."""
+    kept = [r for r in read_rows(path) if r.get("phase") in ("warmup", "measured") and r.get("input_tokens")]
+    return sorted(
+        (float(r["scheduled_s"]), int(r["input_tokens"]), max(int(r.get("output_tokens") or 1), 1))
+        for r in kept
+    )
+
+
+Step = tuple[int, int, float]  # (decode rows, prompt tokens, seconds) of one engine step
+
+
+def measure_steps(
+    arrivals: Sequence[Arrival], config: SchedulerConfig, threads: int, model: str = "default"
+) -> list[Step]:
+    """Serve `arrivals` (sorted) in real time on an in-process engine under `config` (prefix caching
+    off, every request admitted, greedy to its output length) and log every step after a warm-up
+    request: its decode rows, prompt tokens and wall seconds (the whole `step()`, as the step loop
+    pays it: planning, model, sampling and outputs)."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=model, num_threads=threads),
+            cache=CacheConfig(enable_prefix_caching=False),
+            scheduler=config,
+        )
+    )
+    vocab = engine.arch.vocab_size
+
+    def prompt(n: int, salt: int) -> list[int]:  # distinct ids per request, inside the vocabulary
+        return [(salt * 7919 + j * 31) % (vocab - 3) + 3 for j in range(n)]
+
+    def greedy(max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+    engine.add_request("warm-up", prompt(min(300, engine.max_model_len // 2), -1), greedy(8))
+    while engine.has_unfinished():
+        engine.step()
+    steps: list[Step] = []
+    t0, i = time.monotonic(), 0
+    while i < len(arrivals) or engine.has_unfinished():
+        while i < len(arrivals) and arrivals[i][0] <= time.monotonic() - t0:
+            _, prompt_tokens, output_tokens = arrivals[i]
+            engine.add_request(f"r{i}", prompt(prompt_tokens, i), greedy(output_tokens))
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(0.001)
+            continue
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        if (plan := engine.last_plan) is not None and plan.scheduled:
+            steps.append((plan.num_decodes, plan.num_prefill_tokens, seconds))
+    return steps
 
 
 class _Clock:
@@ -428,13 +490,43 @@ def capacity_table(config: SchedulerConfig, cost: StepCost, args: argparse.Names
     return lines
 
 
+def measure_costs(path: Path, config: SchedulerConfig, args: argparse.Namespace) -> Path:
+    """Log the engine's steps on this machine (`measure_steps`) into the JSON file `path`, for --costs."""
+    arrivals = poisson_arrivals(args.rate, args.measure_requests, args.seed)
+    steps = measure_steps(arrivals, config, args.threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "machine": machine_line(),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "rate": args.rate,
+        "requests": args.measure_requests,
+        "seed": args.seed,
+        "threads": args.threads,
+        "steps": steps,
+    }
+    path.write_text(json.dumps(doc))
+    print(f"{len(steps)} steps logged in {path}: {StepCost.fit(steps).describe()}", flush=True)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=3.22, help="arrivals per second (80%% of capacity)")
     p.add_argument("--requests", type=int, default=6000, help="requests per simulation")
     p.add_argument("--draws", type=int, default=3, help="prompt/arrival draws (seeds 0..N-1), averaged")
     p.add_argument("--sweep", default=",".join(SWEEPS), help=f"comma list of {', '.join(SWEEPS)}")
-    p.add_argument("--costs", type=Path, help="refit the step cost from a step_model.py JSON")
+    p.add_argument("--costs", type=Path, help="refit the step cost from a saved step log (JSON with 'steps')")
+    p.add_argument(
+        "--measure-costs",
+        type=Path,
+        metavar="PATH",
+        help="first log the engine's steps into this JSON file (an in-process engine serves "
+        "--measure-requests arrivals at --rate in real time) and use their fit",
+    )
+    p.add_argument("--measure-requests", type=int, default=500, help="arrivals served by --measure-costs")
+    p.add_argument("--threads", type=int, default=2, help="engine threads of --measure-costs")
+    p.add_argument("--seed", type=int, default=0, help="draw of --measure-costs' arrivals")
     p.add_argument("--validate", type=Path, help="a bench run's .jsonl: simulate its arrivals, print both")
     p.add_argument("--step-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -469,12 +561,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in (args.costs, args.validate):
         if path is not None and not path.is_file():
             p.error(f"no such file: {path}")
+    if args.measure_costs and (args.costs or args.measure_requests < 10 or args.threads < 1):
+        p.error("--measure-costs: not with --costs, and --measure-requests >= 10, --threads >= 1")
+    config = base_config(args)
+    if args.measure_costs:
+        args.costs = measure_costs(args.measure_costs, config, args)
     try:
         cost = StepCost.fit(json.loads(args.costs.read_text())["steps"]) if args.costs else StepCost()
     except (ValueError, KeyError, TypeError, IndexError) as exc:
-        p.error(f"--costs {args.costs}: not a step_model.py log with a 'steps' list ({exc})")
+        p.error(f"--costs {args.costs}: not a step log with a 'steps' list ({exc})")
     cost = dataclasses.replace(cost, fixed=cost.fixed + args.server_step_ms / 1e3)
-    config = base_config(args)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# What the scheduler could reach: P99/mean in virtual time on the measured step costs",
@@ -489,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cost": vars(cost)}
     if args.validate:
-        arrivals = sorted(load_arrivals(args.validate, 10**9))
+        arrivals = served_arrivals(args.validate)
         sim = summary(simulate(arrivals, config, cost), config, cost)
         real = measured(args.validate)
         lines += ["", f"## A served run's arrivals ({len(arrivals)} requests of `{args.validate}`)", ""]

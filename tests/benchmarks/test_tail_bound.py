@@ -5,6 +5,7 @@ model, and the virtual clock stays inside the simulation."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -138,6 +139,34 @@ def test_the_probes_sweep_runs_probes_of_the_size_asked(
         line for line in (tmp_path / "p.md").read_text().splitlines() if line.startswith("| tailserve (slo)")
     ]
     assert rows == ["| tailserve (slo) | 100% | 100% | 0% | 0% | 0% |"]
+
+
+def test_a_served_run_gives_its_warmup_and_measured_requests_in_time_order(tmp_path: Path) -> None:
+    """--validate replays what the bench sent: warm-up and measured requests (not cool-down, not one
+    never sent), by send time; a request that produced nothing counts as one output token, and a
+    last line cut short by a killed bench is skipped."""
+    rows = [
+        {"phase": "measured", "scheduled_s": 2.0, "input_tokens": 40, "output_tokens": 16},
+        {"phase": "warmup", "scheduled_s": 0.5, "input_tokens": 300, "output_tokens": 0},
+        {"phase": "cooldown", "scheduled_s": 9.0, "input_tokens": 64, "output_tokens": 32},
+        {"phase": "measured", "scheduled_s": 3.0, "input_tokens": None, "output_tokens": 5},
+    ]
+    run = tmp_path / "probe-01.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"phase": "meas')
+    assert tail_bound.served_arrivals(run) == [(0.5, 300, 1), (2.0, 40, 16)]
+
+
+def test_the_step_log_holds_every_prompt_token_and_decode_row_once() -> None:
+    """--measure-costs on a tiny model: the warm-up request is not logged; every prompt token of the
+    arrivals is in some step's prompt tokens, and a request of N output tokens adds N - 1 decode rows
+    (its first token comes with its last prompt chunk)."""
+    arrivals = [(0.0, 100, 5), (0.0, 20, 3), (0.01, 70, 1)]
+    steps = tail_bound.measure_steps(
+        arrivals, config(max_num_batched_tokens=64), threads=1, model="dummy:tiny"
+    )
+    assert sum(tokens for _, tokens, _ in steps) == 100 + 20 + 70
+    assert sum(rows for rows, _, _ in steps) == (5 - 1) + (3 - 1) + (1 - 1)
+    assert all(tokens <= 64 and seconds > 0 for _, tokens, seconds in steps)
 
 
 def test_split_core_queue_serves_in_the_order_it_is_given() -> None:
