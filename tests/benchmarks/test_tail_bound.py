@@ -167,14 +167,3 @@ def test_the_step_log_holds_every_prompt_token_and_decode_row_once() -> None:
     assert sum(tokens for _, tokens, _ in steps) == 100 + 20 + 70
     assert sum(rows for rows, _, _ in steps) == (5 - 1) + (3 - 1) + (1 - 1)
     assert all(tokens <= 64 and seconds > 0 for _, tokens, seconds in steps)
-
-
-def test_split_core_queue_serves_in_the_order_it_is_given() -> None:
-    """benchmarks/split_prefill_core.py: one prompt at a time on one core. First come first served
-    makes a short prompt wait behind a long one; shortest first lets it pass the one waiting."""
-    from split_prefill_core import prefill_ttfts
-
-    times, costs = [0.0, 0.1, 0.2], [1.0, 0.5, 0.1]
-    assert prefill_ttfts(times, costs, times) == pytest.approx([1.0, 1.4, 1.4])
-    assert prefill_ttfts(times, costs, costs) == pytest.approx([1.0, 1.5, 0.9])
-    assert prefill_ttfts([0.0, 5.0], [1.0, 1.0], [0.0, 5.0]) == [1.0, 1.0]  # an idle gap is not waited
