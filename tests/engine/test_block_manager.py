@@ -183,7 +183,8 @@ def test_a_forced_key_collision_reuses_no_block_and_is_counted() -> None:
     assert kv.block_table("b") == [] and kv.prefix_collisions == 1
     assert kv.allocate("b", len(b)) and kv.num_free_blocks == 8 - 3
     kv.free("b")
-    assert kv.match_prefix("a again", a) == BLOCK  # its own first block still hits (the rest never registered)
+    # Its own first block still hits; the blocks after it were never cached (their key was taken).
+    assert kv.match_prefix("a again", a) == BLOCK
 
 
 def test_salts_never_share_blocks_and_the_same_salt_does() -> None:
