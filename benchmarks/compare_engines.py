@@ -3,6 +3,7 @@ a P99 interval behind every verdict: the entry point of the `compare` package be
 (flags and phases in benchmarks/compare/cli.py; how to run it in docs/COMPARE.md).
 
     .venv/bin/python benchmarks/compare_engines.py --quick
+    .venv/bin/python benchmarks/compare_engines.py fast-path --quick   # one stream and 16, prefill, cold start
 """
 
 import sys

@@ -13,6 +13,7 @@ rerunning the same command with the same --out resumes. Follow it with `tail -f 
     .venv/bin/python benchmarks/compare_engines.py --quick                              # minutes
     .venv/bin/python benchmarks/compare_engines.py --render bench-results/compare-full
     .venv/bin/python benchmarks/compare_engines.py --across bench-results/compare-seed0 bench-results/compare-seed1
+    .venv/bin/python benchmarks/compare_engines.py fast-path --quick    # one stream and 16: compare/fast_path.py
 
 Drives servers over HTTP and subprocesses only: from tailserve it imports only the bench's statistics
 (tailserve.bench: intervals and nearest-rank percentiles), never the engine.
@@ -35,7 +36,7 @@ from machine import CpuLog, git_commit, machine_line
 from peers import envs
 from peers.launch import Limits
 
-from compare import across, report, stats
+from compare import across, fast_path, report, stats
 from compare import plan as planning
 from compare.analyze import Slo
 from compare.run import (
@@ -61,7 +62,11 @@ def interrupt(signum: int, frame: object) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").splitlines()[0],
+        epilog="`compare_engines.py fast-path [FLAGS]` instead measures one stream and sixteen, a 1,600-token "
+        "prefill and cold start against the same peers (compare_engines.py fast-path --help)",
+    )
     p.add_argument(
         "--quick", action="store_true", help=f"tiny sizes, {' + '.join(QUICK_SERVERS)} (development)"
     )
@@ -296,6 +301,9 @@ def length_scale(store: Store, args: argparse.Namespace) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fast-path"]:  # its own question and flags (compare/fast_path.py)
+        return fast_path.main(argv[1:])
     args = parse_args(argv)
     if args.render:
         report.write(Store(args.render), args.doc)

@@ -1,5 +1,6 @@
-"""Issue 12's targets in one run: tailserve against vLLM's CPU engine and llama.cpp's server on the
-same prompts with the same engine thread count, reported as ratios.
+"""The CPU fast path, issue 12's targets in one run (`compare_engines.py fast-path`): tailserve against
+vLLM's CPU engine and llama.cpp's server on the same prompts with the same engine thread count,
+reported as ratios.
 
 Per server, one at a time: cold start (process start -> first answered request), one stream's TPOT
 (closed loop, 64 prompt / 64 output tokens), output tok/s and TPOT at 16 concurrent streams, prefill
@@ -8,9 +9,9 @@ the corpus and prefix caching is off, so no prefix is ever reused), and for tail
 4k tokens of context. Load comes from `tailserve bench` (completions endpoint, exact lengths with
 the model's tokenizer, greedy, ignore_eos). Writes OUT.json and OUT.md; the table also goes to stdout.
 
-    .venv/bin/python benchmarks/cpu_fast_path.py --quick                 # a few requests each
-    .venv/bin/python benchmarks/cpu_fast_path.py --out bench-results/fast-path
-    .venv/bin/python benchmarks/cpu_fast_path.py --peers tailserve,llamacpp --tailserve-arg=--weight-format=int4
+    .venv/bin/python benchmarks/compare_engines.py fast-path --quick      # a few requests each
+    .venv/bin/python benchmarks/compare_engines.py fast-path --out bench-results/fast-path
+    .venv/bin/python benchmarks/compare_engines.py fast-path --peers tailserve,llamacpp --tailserve-arg=--weight-format=int4
 
 Peers: vLLM 0.32 CPU (bf16 from the HF copy; benchmarks/peers/setup_vllm.sh, ~3.5 GB, made on
 first use), llama.cpp (xllamacpp, the Q4_1 GGUF itself). tailserve runs its defaults (admission
@@ -24,6 +25,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -266,7 +268,9 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="compare_engines.py fast-path", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a few requests per figure (development)")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
     parser.add_argument("--threads", type=int, default=1, help="engine threads of every server")
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(threads=args.threads, max_seqs=16, step_tokens=args.step_tokens, ctx_per_seq=2048)
     doc: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
+        "command": shlex.join(["benchmarks/compare_engines.py", "fast-path", *(argv or [])]),
         "machine": machine_line(),
         "git_commit": git_commit(),
         "threads": args.threads,
@@ -341,7 +345,3 @@ def main(argv: list[str] | None = None) -> int:
     suffixed(out, ".md").write_text(text)
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
