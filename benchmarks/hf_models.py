@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tailserve.model.arch import ArchConfig
-    from tailserve.model.loader import LoadedModel
+    from tailserve.weights.arch import ArchConfig
+    from tailserve.weights.loader import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_DIR = ROOT / "benchmarks" / ".models" / "smollm2-hf"
@@ -76,7 +76,7 @@ def write_hf_checkpoint(out: Path = HF_DIR) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from tailserve.model.loader import default_model_path, load_model
+    from tailserve.weights.loader import default_model_path, load_model
 
     gguf = default_model_path()
     model = load_model(str(gguf), torch.float32)

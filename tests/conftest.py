@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tailserve.model.loader import LoadedModel, default_model_path, load_model
+from tailserve.weights.loader import LoadedModel, default_model_path, load_model
 
 torch.set_num_threads(2)
 

@@ -81,7 +81,7 @@ def hf_worker(spec_path: Path, out_path: Path) -> int:
         from hf_models import llama_config
         from transformers import GenerationConfig, LlamaForCausalLM
 
-        from tailserve.model.arch import preset
+        from tailserve.weights.arch import preset
 
         res["transformers"] = transformers.__version__
         device = torch.device(

@@ -20,8 +20,8 @@ import torch
 from gpu.suite import GIB, Plan, Suite, log, ms_stats, sync
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLM, SamplingParams
-from tailserve.model.formats import activation_dtype
-from tailserve.model.loader import LoadedModel, load_model
+from tailserve.model.plans import activation_dtype
+from tailserve.weights.loader import LoadedModel, load_model
 
 MODES = ("default", "enforce_eager")  # default: CUDA graphs where the engine can; eager runs second
 

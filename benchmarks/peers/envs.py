@@ -63,7 +63,7 @@ def ensure_vllm_venv() -> Path:
 
 def gguf_path() -> Path:
     """The default model's GGUF, as tailserve finds it (asked in a subprocess: no tailserve import here)."""
-    code = "from tailserve.model.loader import default_model_path; print(default_model_path())"
+    code = "from tailserve.weights.loader import default_model_path; print(default_model_path())"
     out = subprocess.run([str(MAIN_PYTHON), "-c", code], check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,7 @@ import sys
 _COMMAND_MODULES = (
     "tailserve.server.cli",
     "tailserve.engine.cli",
-    "tailserve.model.quality_cli",
+    "tailserve.quality.cli",
     "tailserve.bench.cli",
     "tailserve.router.cli",
     "tailserve.plan.cli",

@@ -13,7 +13,7 @@ from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tailserve.engine import AsyncEngine, SamplingParams
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.errors import InvalidRequestError
-from tailserve.model.loader import LoadedModel
+from tailserve.weights.loader import LoadedModel
 
 
 def _config() -> EngineConfig:

@@ -9,7 +9,7 @@ import torch
 
 from tailserve.config import EngineConfig
 from tailserve.engine import LLM, SamplingParams
-from tailserve.model.loader import LoadedModel
+from tailserve.weights.loader import LoadedModel
 
 QUESTIONS = [
     "What is the capital of France?",

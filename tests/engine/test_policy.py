@@ -10,7 +10,7 @@ from tailserve.engine import LLMEngine, SamplingParams
 from tailserve.engine.policy import FcfsPolicy, SloPolicy
 from tailserve.engine.request import Request, RequestTimings
 from tailserve.engine.stats import StepTimer
-from tailserve.model.loader import LoadedModel
+from tailserve.weights.loader import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -167,7 +167,7 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
 
 def test_step_timer_prices_prompt_tokens_beyond_the_decode_step() -> None:
     """Steps that cost a fixed part, per decode row and per prompt token (the shape measured on this
-    engine by benchmarks/step_model.py): the wait predicted for a prompt is that cost, not ~30% more
+    engine by benchmarks/tail_bound.py --measure-costs): the wait predicted for a prompt is that cost, not ~30% more
     from charging the decode rows twice, so admission does not refuse requests that would make it."""
 
     @dataclass

@@ -12,9 +12,9 @@ import torch
 from tailserve.config import EngineConfig
 from tailserve.engine import LLM, SamplingParams
 from tailserve.errors import InvalidRequestError
-from tailserve.model.loader import LoadedModel
-from tailserve.model.runner import SeqChunk
+from tailserve.executor.runner import SeqChunk
 from tailserve.model.sampler import SamplingSpec
+from tailserve.weights.loader import LoadedModel
 
 PROMPT = (
     "The river Tiber runs through the city of Rome, and its bridges are old and famous; "

@@ -9,8 +9,8 @@ import pytest
 from tailserve.config import EngineConfig
 from tailserve.engine import LLM, SamplingParams
 from tailserve.errors import ConfigError, ContextLengthExceededError, InvalidRequestError, ModelLoadError
-from tailserve.model.loader import LoadedModel
-from tailserve.model.tokenizer import IncrementalDetokenizer
+from tailserve.weights.loader import LoadedModel
+from tailserve.weights.tokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_unreadable_or_unsupported_models_raise_typed_errors(
     import json
     from pathlib import Path
 
-    from tailserve.model.loader import load_model
+    from tailserve.weights.loader import load_model
 
     base = Path(str(tmp_path))
     with pytest.raises(ModelLoadError, match="does not exist"):
@@ -245,7 +245,7 @@ def test_logprobs_describe_the_raw_distribution(llm: LLM) -> None:
 def test_first_token_logprobs_equal_log_softmax_of_teacher_forced_logits(llm: LLM) -> None:
     import torch
 
-    from tailserve.model.runner import SeqChunk
+    from tailserve.executor.runner import SeqChunk
     from tailserve.model.sampler import SamplingSpec
 
     engine = llm.engine

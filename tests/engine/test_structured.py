@@ -15,8 +15,8 @@ from tailserve.engine import LLM, SamplingParams
 from tailserve.engine.request import GrammarSpec
 from tailserve.engine.structured import _tokenizer_info
 from tailserve.errors import InvalidRequestError
-from tailserve.model.loader import LoadedModel
 from tailserve.model.sampler import SamplingSpec, adjust_logits
+from tailserve.weights.loader import LoadedModel
 
 SCHEMA = {
     "type": "object",
@@ -114,7 +114,7 @@ def test_a_grammar_prepared_for_a_request_on_its_way_is_not_evicted() -> None:
     """More distinct schemas in flight than the cache holds: the one prepared ahead must still be
     there when the engine thread makes the request's matcher (the step loop never compiles)."""
     from tailserve.engine.structured import GrammarCache
-    from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
+    from tailserve.weights.tokenizer import ByteTokenizer, Tokenizer
 
     cache = GrammarCache(Tokenizer(ByteTokenizer(512), [2]), 512, capacity=2)
     prepared = cache.compile(GrammarSpec("regex", "a+"), prepare=True)
@@ -154,7 +154,7 @@ def test_bitmask_touches_only_its_rows() -> None:
 def test_length_bounded_strings_admit_no_raw_control_characters() -> None:
     """JSON forbids raw control characters in strings; a maxLength string must not let them in."""
     from tailserve.engine.structured import GrammarCache
-    from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
+    from tailserve.weights.tokenizer import ByteTokenizer, Tokenizer
 
     cache = GrammarCache(Tokenizer(ByteTokenizer(512), [2]), 512)
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}, "required": ["a"]}

@@ -8,8 +8,8 @@ import torch
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig
 from tailserve.engine import LLM, SamplingParams
-from tailserve.model.formats import build_model, plan_for
-from tailserve.model.loader import LoadedModel, load_model
+from tailserve.model.plans import build_model, plan_for
+from tailserve.weights.loader import LoadedModel, load_model
 
 FORMATS = ["fp32", "bf16", "int4", "int8", "auto"]
 CPU = torch.device("cpu")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from tailserve.engine.block_manager import KVCacheManager
-from tailserve.model.loader import LoadedModel
-from tailserve.model.runner import ModelRunner, SeqChunk
+from tailserve.executor.runner import ModelRunner, SeqChunk
 from tailserve.model.sampler import SamplingSpec
 from tailserve.model.transformer import TransformerLM
+from tailserve.weights.loader import LoadedModel
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

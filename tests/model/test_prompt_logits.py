@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tailserve.model import cpu_kernels
-from tailserve.model.formats import build_model
-from tailserve.model.loader import LoadedModel
-from tailserve.model.runner import ModelRunner, SeqChunk
+from tailserve.executor.runner import ModelRunner, SeqChunk
+from tailserve.kernels import cpu as cpu_kernels
+from tailserve.model.plans import build_model
 from tailserve.model.sampler import SamplingSpec
+from tailserve.weights.loader import LoadedModel
 
 PROMPT = "The river Tiber runs through the city of Rome, and its bridges are old and famous"
 

@@ -186,7 +186,7 @@ def test_logprobs_come_from_the_logits_before_any_adjustment() -> None:
 @pytest.mark.parametrize("kernels", ["1", "0"])
 def test_grammar_bitmasks_ban_exactly_the_unset_tokens(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C kernel (CPU) and the torch unpack ban the same tokens: unset bits and ids past the mask."""
-    from tailserve.model import cpu_kernels
+    from tailserve.kernels import cpu as cpu_kernels
 
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, kernels)
     cpu_kernels.load.cache_clear()

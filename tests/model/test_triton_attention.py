@@ -26,12 +26,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
 
+from tailserve.executor.runner import ModelRunner, SeqChunk  # noqa: E402
 from tailserve.model.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention  # noqa: E402
-from tailserve.model.loader import load_model  # noqa: E402
-from tailserve.model.runner import ModelRunner, SeqChunk  # noqa: E402
 from tailserve.model.sampler import SamplingSpec  # noqa: E402
 from tailserve.model.transformer import TransformerLM  # noqa: E402
 from tailserve.model.triton_attention import TritonPagedAttention  # noqa: E402
+from tailserve.weights.loader import load_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 if not ON_CUDA and (_IMPORTED_EARLY or os.environ.get("TRITON_INTERPRET") != "1"):
@@ -240,7 +240,7 @@ def test_runner_logits_match_torch_backend() -> None:
 def test_static_graph_metadata_matches_torch_backend() -> None:
     """The CUDA-graph form (tables padded to a fixed width, batch padded by repeating a row) gives the
     same logits through the Triton kernels as the eager torch path."""
-    from tailserve.model.cuda_graphs import DecodeGraphRunner
+    from tailserve.executor.cuda_graphs import DecodeGraphRunner
 
     loaded = load_model("dummy:tiny", torch.float32)
     page = 8

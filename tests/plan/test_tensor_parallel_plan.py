@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tailserve.errors import ConfigError
-from tailserve.model.arch import preset as runtime_preset
-from tailserve.model.parallel import check_shardable
+from tailserve.model.sharding import check_shardable
+from tailserve.model.tp_split import allreduce_bytes_per_token, tensor_parallel_split
 from tailserve.plan.capacity import PlanRequest, make_plan
 from tailserve.plan.catalog import GpuCatalog
 from tailserve.plan.errors import PlanError
 from tailserve.plan.shapes import ModelShape
 from tailserve.plan.shapes import find_preset as preset
-from tailserve.plan.tensor_parallel import allreduce_bytes_per_token, tensor_parallel_split
+from tailserve.weights.arch import preset as runtime_preset
 
 CATALOG = GpuCatalog()
 

@@ -7,9 +7,9 @@ import torch
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig
 from tailserve.engine import LLM
-from tailserve.model.loader import LoadedModel
-from tailserve.model.runner import SeqChunk
+from tailserve.executor.runner import SeqChunk
 from tailserve.model.sampler import SamplingSpec
+from tailserve.weights.loader import LoadedModel
 
 
 def fp32_llm(smol: LoadedModel) -> LLM:

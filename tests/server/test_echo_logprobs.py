@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from tailserve.engine import LLM
-from tailserve.model.loader import LoadedModel
 from tailserve.server.protocol import FIM_TOKENS, CompletionRequest, completion_prompt_ids
+from tailserve.weights.loader import LoadedModel
 from tests.server.reference import fp32_llm, teacher_forced
 from tests.server.test_server import assert_idle
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tailserve.model.loader import LoadedModel
+from tailserve.weights.loader import LoadedModel
 from tests.server.reference import continuation_logprobs, fp32_llm
 
 pytest.importorskip("lm_eval")

@@ -12,9 +12,9 @@ import pytest
 
 from tailserve.engine.request import MAX_CACHE_SALT_CHARS
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
-from tailserve.server.errors import InvalidJSONError, UnsupportedParameterError, to_http
+from tailserve.http.errors import InvalidJSONError, UnsupportedParameterError, to_http
+from tailserve.http.json_body import parse_json
 from tailserve.server.generation_defaults import GenerationDefaults, read_generation_defaults
-from tailserve.server.json_body import parse_json
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -18,9 +18,9 @@ import pytest
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import AsyncEngine
 from tailserve.errors import ConfigError
-from tailserve.model.loader import LoadedModel
 from tailserve.server.config import ServerConfig
 from tailserve.server.slo_classes import SloClasses
+from tailserve.weights.loader import LoadedModel
 from tests.server.fake_engine import FakeEngine
 from tests.server.harness import threaded_server
 from tests.server.test_app_fake import metric

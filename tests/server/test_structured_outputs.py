@@ -18,8 +18,8 @@ from pydantic import BaseModel, Field
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import AsyncEngine
-from tailserve.model.loader import LoadedModel
 from tailserve.server.config import ServerConfig
+from tailserve.weights.loader import LoadedModel
 from tests.server.harness import threaded_server
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -19,11 +19,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import AsyncEngine
 from tailserve.errors import InvalidRequestError
-from tailserve.model.arch import preset
-from tailserve.model.loader import LoadedModel, hf_weight_shapes
-from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
 from tailserve.server.config import ServerConfig
 from tailserve.server.tools import ToolCallStream, assemble, parse_tool_calls, template_messages, tool_setup
+from tailserve.weights.arch import preset
+from tailserve.weights.loader import LoadedModel, hf_weight_shapes
+from tailserve.weights.tokenizer import ByteTokenizer, Tokenizer
 from tests.server.harness import threaded_server
 from tests.server.test_structured_outputs import engine_state
 

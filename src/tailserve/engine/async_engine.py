@@ -22,8 +22,8 @@ from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, ttft_target_s
 from tailserve.engine.stats import EngineStats, QueueSnapshot
 from tailserve.errors import TailserveError
-from tailserve.model import openmp
-from tailserve.model.loader import LoadedModel
+from tailserve.executor import warmup
+from tailserve.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ class AsyncEngine:
     async def start(self) -> None:
         """Start the step loop (idempotent). The calling thread (the one that loaded the model) gives
         its OpenMP workers up first: left alive, they slow every parallel op of the engine thread's
-        own pool on a small machine (see tailserve.model.openmp)."""
+        own pool on a small machine (executor.warmup)."""
         if self._thread is None:
-            openmp.release_pool()
+            warmup.release_loading_thread()
             self._thread = threading.Thread(target=self._run, name="tailserve-engine", daemon=True)
             self._thread.start()
 

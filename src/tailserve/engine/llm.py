@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import RequestOutput, SamplingParams
-from tailserve.model.loader import LoadedModel
+from tailserve.weights.loader import LoadedModel
 
 
 class LLM:

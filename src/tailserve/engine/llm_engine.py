@@ -31,12 +31,14 @@ from tailserve.engine.scheduler import Scheduler, StepPlan
 from tailserve.engine.stats import EngineStats, QueueSnapshot, StepStats, step_kind
 from tailserve.engine.structured import GrammarCache
 from tailserve.errors import InvalidRequestError
-from tailserve.model import onednn
-from tailserve.model.builder import build_runner
-from tailserve.model.loader import LoadedModel
-from tailserve.model.runner import SeqChunk
+from tailserve.executor import warmup
+from tailserve.executor.build import use_device
+from tailserve.executor.builder import build_runner
+from tailserve.executor.runner import SeqChunk
 from tailserve.model.sampler import SamplingSpec
-from tailserve.model.tokenizer import IncrementalDetokenizer
+from tailserve.quality.gate import choose_weight_format
+from tailserve.weights.loader import LoadedModel
+from tailserve.weights.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """Build from the config; `loaded` reuses weights already in memory (tests build many engines)."""
         self.config = config
-        # Before the first oneDNN primitive of the build: room for every prompt-row kernel (warm_kernels).
-        budget = config.scheduler.max_num_batched_tokens
-        self.primitive_cache = onednn.reserve_cache(onednn.cache_entries_for(budget))
-        built = build_runner(config.model, config.cache, loaded)
+        self.primitive_cache = warmup.reserve_kernel_cache(config.scheduler.max_num_batched_tokens)
+        mc = config.model
+        # The quality gate decides `auto` and vets an explicit fast format before anything is built.
+        choice = choose_weight_format(
+            mc.model,
+            mc.weight_format,
+            use_device(mc),
+            kv_cache_dtype=mc.kv_cache_dtype,
+            force=mc.force_weight_format,
+            loaded=loaded,
+        )
+        built = build_runner(mc, config.cache, choice.weight_format, loaded)
         self.runner = built.runner
         self.arch = built.arch
         self.tokenizer = built.tokenizer
@@ -243,25 +253,11 @@ class LLMEngine:
         cached = self.scheduler.cached_prefix_tokens(prompt_token_ids, params.cache_salt)
         return len(prompt_token_ids) - cached
 
-    def warm_kernels(self) -> onednn.WarmResult:
-        """Create the prompt-row kernels of every row count the step budget allows now, so serving
-        compiles none and its memory does not grow with the prompt lengths it meets
-        (tailserve.model.onednn). Call it on the thread that runs the steps; no-op under tensor
-        parallelism (the workers hold their own shards) and where nothing runs through oneDNN."""
-        if self.runner.tp is not None:
-            return onednn.WarmResult(0, 0, 0.0)
-        # oneDNN keys a kernel by its thread count, which it reads from this thread's OpenMP setting:
-        # the core count until torch's first parallel op here sets torch's own, so set it first.
-        torch.set_num_threads(torch.get_num_threads())
-        linears = self.runner.model.prompt_linears()
+    def warm_kernels(self) -> warmup.WarmResult:
+        """Create the prompt-row kernels of every row count the step budget allows now (executor.warmup);
+        call it on the thread that runs the steps."""
         budget = self.config.scheduler.max_num_batched_tokens
-        done = onednn.warm_prompt_rows(linears, budget, self.primitive_cache)
-        if done.shapes:
-            log.info(
-                "created oneDNN's prompt-row kernels for %d weight shapes x 2..%d rows in %.1f s",
-                done.shapes, done.max_rows, done.seconds,
-            )  # fmt: skip
-        return done
+        return warmup.warm_runner(self.runner, budget, self.primitive_cache)
 
     def estimate_wait_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None, ttft_s: float | None = None

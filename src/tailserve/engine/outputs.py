@@ -7,7 +7,7 @@ and which text may be released; it never touches the scheduler or the KV cache.
 from __future__ import annotations
 
 from tailserve.engine.request import Request, RequestOutput
-from tailserve.model.tokenizer import Tokenizer
+from tailserve.weights.tokenizer import Tokenizer
 
 
 class OutputProcessor:

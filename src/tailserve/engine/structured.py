@@ -19,7 +19,7 @@ import torch
 
 from tailserve.engine.request import GrammarSpec
 from tailserve.errors import InvalidRequestError
-from tailserve.model.tokenizer import ByteTokenizer, Tokenizer
+from tailserve.weights.tokenizer import ByteTokenizer, Tokenizer
 
 CACHE_ENTRIES = 64  # compiled grammars kept; a JSON schema's is tens of kB to a few MB
 PREPARED_HOLD_S = 60.0  # a grammar compiled for a request on its way is kept this long at least

@@ -1,2 +1,3 @@
-"""tailserve.model: weight loading (GGUF, HF safetensors, dummy), weight formats and their kernels, the
-transformer, attention backends, the sampler, the quality gate and the model runner over its KV pool."""
+"""tailserve.model: the transformer in each weight format's kernel plan, its linear layers, attention
+backends, the fused CPU forward, tensor-parallel sharding and the sampler. Holds no KV pool.
+"""

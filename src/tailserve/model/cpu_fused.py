@@ -14,21 +14,31 @@ and formats as the torch path; every kernel is row-wise, so a row's result does 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
+from tailserve.kernels import cpu as cpu_kernels
+from tailserve.kernels.cpu import ptr
 from tailserve.model.attention import AttentionMetadata
-from tailserve.model.cpu_kernels import ptr
-
-if TYPE_CHECKING:
-    from tailserve.model.transformer import DecoderLayer, TransformerLM
+from tailserve.model.transformer import DecoderLayer, TransformerLM
 
 MAX_GROUP = 64  # query heads per kv head the attention kernel keeps per-head sums for
 # Bumped when what this forward computes changes (so the quality gate re-measures): 2 = prompt
 # attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN.
 FORWARD_REVISION = 2
+
+
+def attach(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
+    """Run `model`'s forward through the fused CPU kernels from now on, if they build and fit it;
+    its bf16 linears also keep their weights prepacked for oneDNN's prompt rows."""
+    lib = cpu_kernels.load() if supports(model, kv_dtype) else None
+    model.fused = None if lib is None else FusedCpuForward(model, lib)
+    if model.fused is not None:
+        for linear in model.prompt_linears():
+            linear.pack_for_cpu()
+    return model.fused is not None
 
 
 def supports(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
@@ -49,7 +59,7 @@ class FusedCpuForward:
 
     def __init__(self, model: TransformerLM, lib: ctypes.CDLL) -> None:
         self.model = model
-        self.layers = cast("list[DecoderLayer]", list(model.layers))
+        self.layers = cast(list[DecoderLayer], list(model.layers))
         self.lib = lib
         arch = model.arch
         half = arch.head_dim // 2

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tailserve.model import cpu_kernels
-from tailserve.model.weight_formats import (
+from tailserve.kernels import cpu as cpu_kernels
+from tailserve.weights.formats import (
     AmxInt4,
     Int4Groups,
     PackedInt4,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tailserve.model import cpu_kernels
+from tailserve.kernels import cpu as cpu_kernels
 
 
 @dataclass

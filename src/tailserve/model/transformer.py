@@ -10,18 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tailserve.errors import UnsupportedModelError
-from tailserve.model import cpu_kernels
-from tailserve.model.arch import ArchConfig
+from tailserve.kernels import cpu as cpu_kernels
 from tailserve.model.attention import AttentionBackend, AttentionMetadata
 from tailserve.model.linear import Linear, WeightSource, fuse
-from tailserve.model.weight_formats import (
+from tailserve.weights.arch import ArchConfig
+from tailserve.weights.formats import (
     AmxInt8,
     Int4Groups,
     Int8Groups,
@@ -36,8 +36,7 @@ from tailserve.model.weight_formats import (
 )
 
 if TYPE_CHECKING:
-    from tailserve.model.cpu_fused import FusedCpuForward
-    from tailserve.model.parallel import TensorParallel
+    from tailserve.model.sharding import ShardComm
 
 HEAD_KERNELS = ("fp32", "bf16", "int8", "int4", "q8")
 
@@ -124,7 +123,7 @@ class DecoderLayer(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.intermediate = arch.intermediate_size
         self.scale = arch.head_dim**-0.5
-        self.tp: TensorParallel | None = None  # set by TransformerLM.shard_over: o and down all-reduce
+        self.tp: ShardComm | None = None  # set by TransformerLM.shard_over: o and down all-reduce
 
     def forward(
         self,
@@ -235,6 +234,19 @@ class LMHead(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
+class FusedForward(Protocol):
+    """`TransformerLM.forward`'s arguments less the backend, on another implementation."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
 class TransformerLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head, built from Hugging Face-named weights.
 
@@ -286,10 +298,11 @@ class TransformerLM(nn.Module):
         self.register_buffer("cos_table", torch.cat((freqs.cos(), freqs.cos()), -1).float().to(dtype), False)
         # (-sin, sin): the sign of rotate_half folded in, so a rotation is three ops (see _rotate).
         self.register_buffer("sin_table", torch.cat((-half_sin, half_sin), -1).float().to(dtype), False)
-        self.fused: FusedCpuForward | None = None
-        self.tp: TensorParallel | None = None
+        # Set by model.cpu_fused.attach: the same forward through the fused CPU kernels.
+        self.fused: FusedForward | None = None
+        self.tp: ShardComm | None = None
 
-    def shard_over(self, tp: TensorParallel) -> None:
+    def shard_over(self, tp: ShardComm) -> None:
         """This model is one rank's shard: all-reduce after o and down, vocab-parallel embed and head."""
         self.tp = tp
         for layer in self.layers:
@@ -310,18 +323,6 @@ class TransformerLM(nn.Module):
     def prompt_linears(self) -> list[Linear]:
         """Every decoder layer's linears (what prompt rows run through)."""
         return [linear for layer in self.layers for linear in cast(DecoderLayer, layer).linears()]
-
-    def use_cpu_kernels(self, kv_dtype: torch.dtype) -> bool:
-        """Run forward through the fused CPU kernels from now on, if they build and fit this model."""
-        from tailserve.model import cpu_fused, cpu_kernels
-
-        lib = cpu_kernels.load() if cpu_fused.supports(self, kv_dtype) else None
-        self.fused = None if lib is None else cpu_fused.FusedCpuForward(self, lib)
-        if self.fused is not None:
-            for layer in self.layers:
-                for linear in cast(DecoderLayer, layer).linears():
-                    linear.pack_for_cpu()
-        return self.fused is not None
 
     @property
     def activation_dtype(self) -> torch.dtype:

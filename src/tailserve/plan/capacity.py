@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from tailserve.errors import ConfigError
-from tailserve.plan.catalog import GIB, GpuSpec
-from tailserve.plan.errors import PlanError
-from tailserve.plan.shapes import ModelShape, ParamCount, count_params
-from tailserve.plan.tensor_parallel import (
+from tailserve.model.tp_split import (
     TensorParallelSplit,
     allreduce_bytes_per_token,
     tensor_parallel_split,
 )
+from tailserve.plan.catalog import GIB, GpuSpec
+from tailserve.plan.errors import PlanError
+from tailserve.plan.shapes import ModelShape, ParamCount, count_params
 
 WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "int8")

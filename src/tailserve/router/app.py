@@ -21,6 +21,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tailserve.http.drain import Drain
+from tailserve.http.errors import HTTPError, ServiceUnavailableError, route_error, to_http
+from tailserve.http.json_body import parse_json
+from tailserve.http.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    CatchAllMiddleware,
+    JsonContentTypeMiddleware,
+    send_error,
+)
+from tailserve.http.sse import until_disconnect
 from tailserve.router.config import RouterConfig
 from tailserve.router.metrics import RouterMetrics
 from tailserve.router.monitor import ReplicaMonitor
@@ -28,17 +39,6 @@ from tailserve.router.policies import Policy, make_policy
 from tailserve.router.pool import ReplicaPool
 from tailserve.router.proxy import Forwarder
 from tailserve.router.request_info import route_request
-from tailserve.server.drain import Drain
-from tailserve.server.errors import HTTPError, ServiceUnavailableError, route_error, to_http
-from tailserve.server.json_body import parse_json
-from tailserve.server.middleware import (
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    CatchAllMiddleware,
-    JsonContentTypeMiddleware,
-    send_error,
-)
-from tailserve.server.sse import until_disconnect
 
 CLIENT_CLOSED_REQUEST = 499  # the client left first; never reaches it
 

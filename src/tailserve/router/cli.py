@@ -82,8 +82,8 @@ def config_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterCon
 def serve_router(config: RouterConfig, log_level: str = "info") -> int:
     """Run the router on config.host:config.port until SIGINT/SIGTERM, draining as the server does;
     0 after a clean drain, 1 if it could not start."""
+    from tailserve.http.serve import serve_until_drained
     from tailserve.router.app import create_app
-    from tailserve.server.lifecycle import serve_until_drained
 
     app = create_app(config)
     return serve_until_drained(

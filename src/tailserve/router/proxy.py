@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 from starlette.responses import JSONResponse, Response
 
+from tailserve.http.sse import SSEResponse
 from tailserve.router.config import RouterConfig
 from tailserve.router.metrics import RouterMetrics
 from tailserve.router.policies import Policy, RouteRequest
@@ -30,7 +31,6 @@ from tailserve.router.sse import (
     is_done,
     sse_events,
 )
-from tailserve.server.sse import SSEResponse
 
 log = logging.getLogger("tailserve.router")
 

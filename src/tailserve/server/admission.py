@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from tailserve.engine.request import SloTarget
 from tailserve.errors import RequestRejectedError
-from tailserve.server.drain import Drain
+from tailserve.http.drain import Drain
+from tailserve.http.errors import ServiceUnavailableError
 from tailserve.server.engine_api import Engine
-from tailserve.server.errors import ServiceUnavailableError
 
 
 class WaitCorrection:

@@ -22,25 +22,25 @@ from starlette.responses import JSONResponse, Response
 
 from tailserve.engine.request import SamplingParams
 from tailserve.errors import RequestRejectedError, TailserveError
-from tailserve.server.admission import Admission, WaitCorrection
-from tailserve.server.config import ServerConfig
-from tailserve.server.engine_api import Engine
-from tailserve.server.errors import (
+from tailserve.http.errors import (
     HTTPError,
     ModelNotFoundError,
     ServiceUnavailableError,
     route_error,
     to_http,
 )
-from tailserve.server.json_body import parse_json
-from tailserve.server.metrics import ServerMetrics
-from tailserve.server.middleware import (
+from tailserve.http.json_body import parse_json
+from tailserve.http.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     CatchAllMiddleware,
     ErrorCountMiddleware,
     JsonContentTypeMiddleware,
 )
+from tailserve.server.admission import Admission, WaitCorrection
+from tailserve.server.config import ServerConfig
+from tailserve.server.engine_api import Engine
+from tailserve.server.metrics import ServerMetrics
 from tailserve.server.serving import Serving
 from tailserve.server.slo_classes import SloClasses
 from tailserve.server.tokenize import detokenize, tokenize

@@ -245,7 +245,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         # The engine thread creates every prompt-row kernel before the warm-up generation, so /ready
-        # waits for it (tailserve.model.onednn).
+        # waits for it (tailserve.kernels.onednn).
         warm_kernels = server_config.warmup and not args.no_kernel_warmup
         engine = AsyncEngine(engine_config, warm_kernels=warm_kernels)
     except ModelLoadError as exc:

@@ -43,7 +43,7 @@ def model_file(spec: str) -> Path | None:
     if spec.startswith("dummy:"):
         return None
     if spec == "default":
-        from tailserve.model.loader import default_model_path  # serve has loaded torch by now
+        from tailserve.weights.loader import default_model_path  # serve has loaded torch by now
 
         return default_model_path()
     return Path(spec).expanduser()
@@ -77,7 +77,7 @@ def _hf_values(path: Path) -> dict[str, Any]:
 def _gguf_values(path: Path) -> dict[str, Any]:
     # The engine's own parser: metadata only, in a fraction of a second (gguf.GGUFReader took 9-17 s
     # here, most of it decoding the vocabulary arrays this never reads).
-    from tailserve.model.gguf_file import read_gguf
+    from tailserve.weights.gguf_file import read_gguf
 
     metadata = read_gguf(path).metadata
     return {key: value for key, value in metadata.items() if key in _GGUF_KEYS.values()}

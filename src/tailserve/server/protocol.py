@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tailserve.engine.request import SamplingParams
 from tailserve.errors import InvalidRequestError
+from tailserve.http.errors import UnsupportedParameterError
 from tailserve.server.engine_api import Tokenizer
-from tailserve.server.errors import UnsupportedParameterError
 from tailserve.server.tools import check_tool_calls, template_messages, tool_setup
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})

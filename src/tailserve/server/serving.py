@@ -20,13 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tailserve.engine.request import RequestOutput, SamplingParams, SloTarget, TokenLogprob
+from tailserve.http.errors import ModelNotFoundError, to_http
+from tailserve.http.json_body import parse_json
+from tailserve.http.middleware import bearer_token
+from tailserve.http.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 from tailserve.server.admission import Admission, Ticket
 from tailserve.server.engine_api import Engine
-from tailserve.server.errors import ModelNotFoundError, to_http
 from tailserve.server.generation_defaults import GenerationDefaults
-from tailserve.server.json_body import parse_json
 from tailserve.server.metrics import ServerMetrics
-from tailserve.server.middleware import bearer_token
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +57,6 @@ from tailserve.server.responses import (
 )
 from tailserve.server.sampling_args import sampling_params
 from tailserve.server.slo_classes import SloClasses
-from tailserve.server.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 from tailserve.server.tools import ToolCallStream
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

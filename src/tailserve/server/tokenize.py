@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from tailserve.errors import InvalidRequestError
+from tailserve.http.errors import UnsupportedParameterError
 from tailserve.server.engine_api import Tokenizer
-from tailserve.server.errors import UnsupportedParameterError
 from tailserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,

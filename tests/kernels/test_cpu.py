@@ -1,0 +1,452 @@
+"""The fused CPU kernels (model/cpu_kernels.c) against torch references, and the fused forward pass
+against the op-by-op torch path on the real model."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailserve.errors import ConfigError
+from tailserve.executor.runner import ModelRunner, SeqChunk
+from tailserve.kernels import cpu as cpu_kernels
+from tailserve.kernels.cpu import ptr
+from tailserve.model.attention import gather_blocks
+from tailserve.model.plans import build_model
+from tailserve.model.sampler import SamplingSpec
+from tailserve.model.transformer import _rotate
+from tailserve.weights.formats import (
+    int4_from_blocks,
+    int8_groups_from_blocks,
+    pack_amx_int4,
+    pack_amx_int8,
+)
+from tailserve.weights.loader import LoadedModel
+from tests.weights.test_formats import _assert_within_bf16, _blocks
+
+HAS_COMPILER = platform.system() == "Linux" and (shutil.which("cc") or shutil.which("gcc")) is not None
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+HAS_AMX = "amx_bf16" in CPU_FLAGS
+HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
+
+
+# Every kernel test runs once per instruction set this CPU can execute (TAILSERVE_CPU_ISA), so an
+# AMX machine also tests the AVX512-BF16 and portable builds a Zen 4 or an AVX2 machine runs.
+WHO_RUNS = {
+    "amx": "an Intel CPU with AMX (Sapphire Rapids or later)",
+    "avx512bf16": "a CPU with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake or later)",
+}
+
+
+def _forget_kernels() -> None:
+    cpu_kernels.load.cache_clear()
+    cpu_kernels.tile_isa.cache_clear()
+
+
+@pytest.fixture(scope="module", params=["amx", "avx512bf16", "portable"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The kernels built for one instruction set, for every test of the module that uses them."""
+    name: str = request.param
+    missing = [f for f in cpu_kernels.ISA_CPU_FLAGS.get(name, ()) if f not in CPU_FLAGS.split()]
+    if missing:
+        pytest.skip(
+            f"{cpu_kernels.ISA_ENV}={name} runs on {WHO_RUNS[name]}; this CPU lacks {', '.join(missing)}"
+        )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_kernels.ISA_ENV, name)
+        _forget_kernels()
+        yield name
+    _forget_kernels()
+
+
+@pytest.fixture(scope="module")
+def lib(isa: str) -> ctypes.CDLL:
+    built = cpu_kernels.load()
+    if built is None:
+        pytest.skip("no C compiler here: the torch path runs (tested everywhere else)")
+    return built
+
+
+@pytest.fixture(scope="module")
+def tiles(lib: ctypes.CDLL, isa: str) -> ctypes.CDLL:
+    """The int4 / Q8_0 tile matmuls, on AMX or (without it) AVX512-BF16."""
+    built = cpu_kernels.tile_matmuls()
+    if built is None:
+        pytest.skip(
+            f"the {isa} build has no tile matmul (int4 runs on torch's kernel, the head on bf16); "
+            "the amx and avx512bf16 builds test it"
+        )
+    return built
+
+
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernels for the CPU's best instruction set, whichever `isa` the module is on now."""
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    _forget_kernels()
+    yield
+    _forget_kernels()
+
+
+@pytest.mark.usefixtures("native")
+def test_the_kernels_build_wherever_a_compiler_is() -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler")
+    assert cpu_kernels.load() is not None
+    if HAS_AMX:
+        assert cpu_kernels.amx() is not None
+        assert cpu_kernels.identity().endswith("+amx")
+    elif HAS_AVX512_BF16:  # AMD Zen 4 and the like: the int matmuls run, prompt int4 does not
+        assert cpu_kernels.amx() is None and cpu_kernels.tile_matmuls() is not None
+        assert cpu_kernels.identity().endswith("+avx512bf16")
+    assert cpu_kernels.identity().startswith("cpu_kernels-")
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """load() / tile_isa() forget what they built, and build under tmp_path; restored afterwards."""
+    monkeypatch.setenv("TAILSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)  # the CPU's best, whichever `isa` is on
+    _forget_kernels()
+    yield
+    _forget_kernels()
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_the_isa_selector_builds_each_path_apart_and_refuses_what_the_cpu_lacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler")
+    flags = set(CPU_FLAGS.split())
+    built: dict[str, str] = {}
+    for isa, tile in cpu_kernels.ISA_TILE.items():
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+        _forget_kernels()
+        if not all(f in flags for f in cpu_kernels.ISA_CPU_FLAGS.get(isa, ())):
+            with pytest.raises(ConfigError, match=f"{isa} needs CPU flags .*it can run: native"):
+                cpu_kernels.load()
+            continue
+        lib = cpu_kernels.load()
+        assert lib is not None
+        assert cpu_kernels.tile_isa() == tile  # the build runs the path it was asked for, no other
+        built[isa] = lib._name
+    assert len(set(built.values())) == len(built)  # each its own file: the cache key holds the ISA
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == len(built)
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx3")
+    _forget_kernels()
+    with pytest.raises(ConfigError, match="must be one of native, amx, avx512bf16, portable, got 'avx3'"):
+        cpu_kernels.load()
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_a_failing_compiler_or_the_switch_leaves_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/bin/false")
+    assert cpu_kernels.load() is None
+    assert "torch path runs" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built file left to load later
+    cpu_kernels.load.cache_clear()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.identity() == "off"
+
+
+def _bf(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def test_norm_residual_and_silu_kernels_match_torch(lib: ctypes.CDLL) -> None:
+    rows, dim, inter, eps = 5, 96, 80, 1e-5
+    h = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1)) * 3
+    w = torch.randn(dim, generator=torch.Generator().manual_seed(2))
+    out = torch.empty(rows, dim, dtype=torch.bfloat16)
+    lib.ts_rms_norm(ptr(h), ptr(w), ptr(out), rows, dim, eps)
+    _assert_within_bf16(out, F.rms_norm(h, (dim,), w, eps))
+
+    delta = _bf(rows, dim + 16, seed=3)  # a strided view: row stride dim + 16
+    h2 = h.clone()
+    lib.ts_add_rms_norm(ptr(h2), ptr(delta), dim + 16, ptr(w), ptr(out), rows, dim, eps)
+    want = h + delta[:, :dim].float()
+    torch.testing.assert_close(h2, want, rtol=0, atol=1e-6)  # the residual stream stays float32
+    _assert_within_bf16(out, F.rms_norm(want, (dim,), w, eps))
+    h3, before = h.clone(), out.clone()
+    lib.ts_add_rms_norm(ptr(h3), ptr(delta), dim + 16, None, ptr(out), rows, dim, eps)  # no norm: add only
+    torch.testing.assert_close(h3, want, rtol=0, atol=1e-6)
+    assert torch.equal(out, before)
+
+    gu = _bf(rows, 2 * inter, seed=4, scale=3.0)
+    act = torch.empty(rows, inter, dtype=torch.bfloat16)
+    lib.ts_silu_mul(ptr(gu), ptr(act), rows, inter)
+    g, u = gu.float().chunk(2, dim=-1)
+    _assert_within_bf16(act, F.silu(g) * u)
+
+
+def test_rope_rotates_q_and_k_in_place_and_writes_k_v_to_their_slots(lib: ctypes.CDLL) -> None:
+    rows, heads, kv_heads, dim, positions_max = 4, 6, 2, 32, 64
+    qkv = _bf(rows, (heads + 2 * kv_heads) * dim, seed=5)
+    positions = torch.tensor([0, 7, 31, 63])
+    slots = torch.tensor([5, 0, 17, 9])
+    freqs = torch.outer(
+        torch.arange(positions_max).double(), 1e4 ** -(torch.arange(0, dim, 2).double() / dim)
+    )
+    cos_half, sin_half = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
+    k_cache = torch.zeros(20, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    original = qkv.clone()
+    lib.ts_rope_write_kv(
+        ptr(qkv), ptr(positions), ptr(cos_half), ptr(sin_half), ptr(slots), ptr(k_cache), ptr(v_cache),
+        rows, heads, kv_heads, dim,
+    )  # fmt: skip
+    cos = torch.cat([cos_half, cos_half], -1)[positions].unsqueeze(1)
+    sin = torch.cat([-sin_half, sin_half], -1)[positions].unsqueeze(1)
+    qk = original[:, : (heads + kv_heads) * dim].float().view(rows, heads + kv_heads, dim)
+    want = _rotate(qk, cos, sin)
+    _assert_within_bf16(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim), want)
+    assert torch.equal(
+        qkv[:, (heads + kv_heads) * dim :], original[:, (heads + kv_heads) * dim :]
+    )  # v untouched
+    assert torch.equal(
+        k_cache[slots], qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    )
+    assert torch.equal(v_cache[slots], original[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim))
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (8, 8, 64), (8, 2, 128), (14, 2, 64), (4, 2, 48), (32, 8, 64), (7, 1, 64)],
+)
+def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(
+    lib: ctypes.CDLL, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Unequal lengths (inside a block, on a boundary, one token), blocks in shuffled order, GQA
+    groups 1-7. With AMX, up to 16 heads take the tile path; 32 heads the AVX-512 one, and head
+    size 48 the portable loops."""
+    cpu_kernels.amx()  # the tile path is on wherever it can run
+    bs, lens = 16, [1, 15, 16, 17, 100, 257]
+    width = max(-(-n // bs) for n in lens) + 1  # a padded table, as the runner builds it
+    num_blocks = len(lens) * width + 3
+    g = torch.Generator().manual_seed(heads * dim)
+    k_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    seq_lens = torch.tensor(lens)
+    scale = dim**-0.5
+    lib.ts_paged_decode_attention(
+        ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), width, ptr(seq_lens), ptr(out),
+        len(lens), heads, kv_heads, dim, bs, scale,
+    )  # fmt: skip
+    for s, n in enumerate(lens):
+        keys = gather_blocks(k_cache, tables[s], bs)[:n].float().transpose(0, 1)
+        values = gather_blocks(v_cache, tables[s], bs)[:n].float().transpose(0, 1)
+        want = F.scaled_dot_product_attention(
+            q[s].float().unsqueeze(1), keys, values, scale=scale, enable_gqa=True
+        ).squeeze(1)
+        _assert_within_bf16(out[s], want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("n", "k"), [(24, 96), (80, 160), (960, 576)])
+def test_int4_tile_matmul_is_exact_to_the_blocks(tiles: ctypes.CDLL, kind: str, n: int, k: int) -> None:
+    """The file's own scale and min, widened to float32, times bf16 x with float32 sums: the only
+    rounding is the output to bf16 (torch's int4 kernel rounds scale and zero to bf16 too)."""
+    t = _blocks(kind, n, k, seed=n + k)
+    groups = int4_from_blocks(t)
+    assert groups is not None
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    packed = pack_amx_int4(groups, tiles, bias)
+    ref_w = groups.dequantize()
+    for rows in (1, 5, 16, 17, 40):
+        x = _bf(rows, k, seed=rows)
+        got = packed.matmul(x.contiguous())
+        assert got.shape == (rows, n)
+        _assert_within_bf16(got, x.float() @ ref_w.T + bias.to(torch.bfloat16).float())
+        for i in {0, rows - 1}:  # a row alone equals that row in the batch, bit for bit
+            assert torch.equal(packed.matmul(x[i : i + 1].contiguous()), got[i : i + 1])
+
+
+def test_q8_tile_head_is_exact_to_the_q8_0_blocks(tiles: ctypes.CDLL) -> None:
+    t = _blocks("Q8_0", 1000, 224, seed=9)  # a vocab off the 16-wide tile
+    groups = int8_groups_from_blocks(t)
+    assert groups is not None
+    packed = pack_amx_int8(groups, tiles)
+    ref_w = groups.dequantize()
+    x = _bf(21, 224, seed=10)
+    got = packed.matmul(x.contiguous())
+    want = x.float() @ ref_w.T
+    assert got.dtype == torch.float32 and got.shape == (21, 1000)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # float32 sums, no bf16 output rounding
+    for i in (0, 16, 20):  # rows alone equal rows in a batch, bit for bit
+        assert torch.equal(packed.matmul(x[i : i + 1].contiguous()), got[i : i + 1])
+
+
+def _runner(smol: LoadedModel, fused: bool) -> ModelRunner:
+    model = build_model(smol, "int4", torch.device("cpu"), 512)
+    runner = ModelRunner(model, 64, 16, torch.device("cpu"), kv_dtype=torch.bfloat16, cpu_kernels=fused)
+    assert (model.fused is not None) == fused
+    return runner
+
+
+def test_fused_forward_matches_the_torch_path_on_the_real_model(lib: ctypes.CDLL, smol: LoadedModel) -> None:
+    """Prefill, a chunk over a cached prefix, decodes and a mixed step: the same logits within bf16
+    noise, the same greedy token on (nearly) every row."""
+    fused, plain = _runner(smol, True), _runner(smol, False)
+    prompt = smol.tokenizer.encode("The river Tiber runs through the city of Rome, and its bridges")
+    greedy = SamplingSpec()
+    steps = [
+        [SeqChunk(prompt[:10], 0, [0, 1], True, greedy)],  # prefill from scratch
+        [SeqChunk(prompt[10:], 10, [0, 1], True, greedy)],  # a chunk over its cached prefix
+        [SeqChunk(prompt[:5], 0, [2], True, greedy), SeqChunk(prompt[:8], 0, [5, 6], False, greedy)],
+        [  # mixed: two decodes of unequal context, then a prompt chunk over its cached prefix
+            SeqChunk([prompt[3]], len(prompt), [0, 1], True, greedy, decode=True),
+            SeqChunk([prompt[4]], 5, [2], True, greedy, decode=True),
+            SeqChunk(prompt[8:], 8, [5, 6], True, greedy),
+        ],
+    ]
+    agree = total = 0
+    for chunks in steps:
+        a, b = fused.logits_for(chunks), plain.logits_for(chunks)
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < 0.1 * b.abs().max().item()
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    assert agree >= 0.9 * total, f"{agree}/{total} rows agree on the top token"
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], int]]:
+    """Sets torch's and the kernels' thread count together (as `--num-threads` does); restored after."""
+    before = torch.get_num_threads()
+
+    def use(n: int) -> int:
+        torch.set_num_threads(n)
+        return cpu_kernels.sync_threads()
+
+    yield use
+    use(before)
+
+
+def test_the_kernels_share_torchs_openmp_threads(lib: ctypes.CDLL, threads: Callable[[int], int]) -> None:
+    """Built with OpenMP, the kernels follow `--num-threads` and bind to the libgomp torch loaded: one
+    team of threads in the process, not a second pool spinning against torch's on the same cores."""
+    assert threads(3) == 3 and lib.ts_threads() == 3
+    assert threads(1) == 1
+    # The kernels link libgomp.so.1 by soname; wheels that vendor their own rename it (libgomp-HASH).
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if line.endswith("/libgomp.so.1")}
+    assert len(gomp) == 1, f"two OpenMP runtimes loaded: {sorted(gomp)}"
+    assert Path(torch.__file__).parent in Path(gomp.pop()).parents, "the kernels' libgomp is not torch's"
+
+
+def test_every_kernel_gives_the_same_bits_at_any_thread_count(
+    lib: ctypes.CDLL, threads: Callable[[int], int]
+) -> None:
+    """Threads split outputs (tiles, sequences, rows), never a sum: 1, 2 and 3 threads agree bit for
+    bit on decode attention and the row kernels, and where the build has them on the int4 decode and
+    (with AMX) prompt matmuls and the q8 head."""
+    tiles = cpu_kernels.tile_matmuls()
+    t = _blocks("Q4_1", 960, 576, seed=3)
+    groups = int4_from_blocks(t)
+    g8 = int8_groups_from_blocks(_blocks("Q8_0", 1000, 576, seed=5))
+    assert groups is not None and g8 is not None
+    bias = torch.randn(960, generator=torch.Generator().manual_seed(4))
+    q4 = None if tiles is None else pack_amx_int4(groups, tiles, bias)
+    q8 = None if tiles is None else pack_amx_int8(g8, tiles)
+    bs, lens, heads, kv_heads, dim = 16, [1, 17, 100, 257, 40], 9, 3, 64
+    width = max(-(-n // bs) for n in lens)
+    g = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(len(lens) * width * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn_like(k_cache, dtype=torch.float32).to(torch.bfloat16)
+    tables = torch.randperm(len(lens) * width, generator=g).view(len(lens), width).contiguous()
+    q = _bf(len(lens), heads, dim, seed=7)
+    seq_lens = torch.tensor(lens)
+    x_decode, x_prompt = _bf(16, 576, seed=8), _bf(300, 576, seed=9)
+    gu, h0, delta, w = (
+        _bf(300, 2 * 1536, seed=10),
+        torch.randn(300, 576),
+        _bf(300, 576, seed=11),
+        torch.rand(576),
+    )
+
+    def run() -> list[torch.Tensor]:
+        attn = torch.empty_like(q)
+        lib.ts_paged_decode_attention(
+            ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), width, ptr(seq_lens), ptr(attn),
+            len(lens), heads, kv_heads, dim, bs, dim**-0.5,
+        )  # fmt: skip
+        act, h, normed = torch.empty(300, 1536, dtype=torch.bfloat16), h0.clone(), torch.empty_like(delta)
+        lib.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
+        lib.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
+        out = [attn, act, h, normed]
+        if q4 is not None and q8 is not None:
+            out += [q4.matmul(x_decode), q8.matmul(x_decode)]
+            out += [q4.prefill_matmul(x_prompt)] if cpu_kernels.amx() is not None else []
+        return out
+
+    assert threads(1) == 1
+    alone = run()
+    for n in (2, 3):
+        assert threads(n) == n
+        for i, (a, b) in enumerate(zip(alone, run(), strict=True)):
+            assert torch.equal(a, b), f"output {i} differs at {n} threads"
+
+
+def test_the_fused_forward_is_the_same_at_two_threads(
+    lib: ctypes.CDLL, smol: LoadedModel, threads: Callable[[int], int]
+) -> None:
+    """The real model, a prompt and a mixed step: the logits at 2 threads equal those at 1 exactly."""
+    runner = _runner(smol, True)
+    prompt = smol.tokenizer.encode("The river Tiber runs through the city of Rome, and its bridges")
+    greedy = SamplingSpec()
+    steps = [
+        [SeqChunk(prompt, 0, [0, 1], True, greedy), SeqChunk(prompt[:7], 0, [2], True, greedy)],
+        [
+            SeqChunk([prompt[3]], len(prompt), [0, 1], True, greedy, decode=True),
+            SeqChunk([prompt[4]], 7, [2], True, greedy, decode=True),
+        ],
+    ]
+    got = {}
+    for n in (1, 2):
+        assert threads(n) == n
+        got[n] = [runner.logits_for(chunks).clone() for chunks in steps]
+    for a, b in zip(got[1], got[2], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("fresh_kernels")
+def test_without_openmp_the_kernels_build_single_threaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compiler that refuses -fopenmp still builds the kernels: they run on the caller's thread."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None or platform.system() != "Linux":
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-no-openmp"
+    wrapper.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    caplog.set_level("INFO", logger="tailserve.kernels.cpu")
+    lib = cpu_kernels.load()
+    assert lib is not None
+    assert "no OpenMP" in caplog.text
+    assert lib.ts_set_threads(4) == 1
+    x, ones = torch.randn(3, 8), torch.ones(8)
+    out = torch.empty(3, 8, dtype=torch.bfloat16)
+    lib.ts_rms_norm(ptr(x), ptr(ones), ptr(out), 3, 8, 1e-6)
+    torch.testing.assert_close(out.float(), F.rms_norm(x, (8,), eps=1e-6), atol=1e-2, rtol=1e-2)
