@@ -215,8 +215,10 @@ TINY_TP2_BLOCK_BYTES = 2 * 2 * 1 * 16 * 4 * 16  # K+V x 2 layers x 1 KV head per
 STRESS_BLOCKS = 20
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tp2_engine() -> Iterator[LLMEngine]:
+    """One TP=2 engine for the hypothesis examples of one test, closed after it: a process holds one
+    tensor-parallel engine at a time, so none may outlive its test (the suite runs in any order)."""
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(
