@@ -52,13 +52,10 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import numpy as np
 from compare.analyze import read_rows
@@ -67,7 +64,6 @@ from machine import git_commit, machine_line
 from tailserve.bench.intervals import percentile_interval
 from tailserve.bench.lengths import parse_length_dist
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tailserve.engine import scheduler as scheduler_module
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import Request, RequestTimings, SamplingParams
@@ -181,22 +177,6 @@ def measure_steps(
     return steps
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@contextmanager
-def _virtual_time(clock: _Clock) -> Iterator[None]:
-    """The scheduler reads time.monotonic() for `now`: its module reads the virtual clock instead
-    (only its own `time` name is replaced, not the time module everyone shares)."""
-    with mock.patch.object(scheduler_module, "time", SimpleNamespace(monotonic=clock)):
-        yield
-
-
 @dataclass
 class Served:
     """One request's result in the simulation."""
@@ -210,7 +190,7 @@ class Served:
 
 def simulate(arrivals: Sequence[Arrival], config: SchedulerConfig, cost: StepCost) -> list[Served]:
     """Serve `arrivals` (sorted by time) with the real scheduler, each step taking `cost`."""
-    clock = _Clock()
+    now = 0.0  # the virtual clock: every plan is made at it
     blocks = sum(-(-(p + o) // BLOCK) for _, p, o in arrivals) + 1
     timer = StepTimer(budget_tokens=config.max_num_batched_tokens)
     sched = Scheduler(config, KVCacheManager(blocks, BLOCK, enable_prefix_caching=False), timer)
@@ -218,40 +198,39 @@ def simulate(arrivals: Sequence[Arrival], config: SchedulerConfig, cost: StepCos
     done: dict[str, Served] = {}
     reqs: dict[str, Arrival] = {}
     nxt = 0
-    with _virtual_time(clock):
-        while len(done) < len(arrivals):
-            while nxt < len(arrivals) and arrivals[nxt][0] <= clock.now:
-                t, p, o = arrivals[nxt]
-                rid = f"r{nxt}"
-                ids = [(nxt * 31 + j) % 5000 + 1 for j in range(p)]
-                params = SamplingParams(max_tokens=o, ignore_eos=True)
-                sched.add(Request(rid, ids, params, RequestTimings(arrival=t), seq_no=nxt))
-                reqs[rid] = arrivals[nxt]
-                nxt += 1
-            plan = sched.step_plan()
-            if not plan.scheduled:
-                if nxt >= len(arrivals):
-                    raise RuntimeError("the scheduler planned nothing with requests left")
-                clock.now = max(clock.now, arrivals[nxt][0])
-                continue
-            seconds = cost(plan.num_decodes, plan.num_prefill_tokens)
-            clock.now += seconds
-            timer.record(plan, seconds)
-            sched.postprocess(plan)
-            for req, _ in plan.scheduled:
-                if req.num_computed_tokens < len(req.token_ids):
-                    continue  # a prompt chunk that does not end the prompt: no token yet
-                req.token_ids.append(1)  # what OutputProcessor.append_token records, the policy reads
-                if req.timings.first_token is None:
-                    req.timings.first_token = clock.now
-                req.timings.token_times.append(clock.now)
-                rid = req.request_id
-                first.setdefault(rid, clock.now)
-                t, p, o = reqs[rid]
-                if req.num_output_tokens >= o:
-                    sched.finish(req, "length")
-                    gaps = max(o - 1, 1)
-                    done[rid] = Served(t, p, o, first[rid] - t, (clock.now - first[rid]) / gaps)
+    while len(done) < len(arrivals):
+        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
+            t, p, o = arrivals[nxt]
+            rid = f"r{nxt}"
+            ids = [(nxt * 31 + j) % 5000 + 1 for j in range(p)]
+            params = SamplingParams(max_tokens=o, ignore_eos=True)
+            sched.add(Request(rid, ids, params, RequestTimings(arrival=t), seq_no=nxt))
+            reqs[rid] = arrivals[nxt]
+            nxt += 1
+        plan = sched.step_plan(now)
+        if not plan.scheduled:
+            if nxt >= len(arrivals):
+                raise RuntimeError("the scheduler planned nothing with requests left")
+            now = max(now, arrivals[nxt][0])
+            continue
+        seconds = cost(plan.num_decodes, plan.num_prefill_tokens)
+        now += seconds
+        timer.record(plan, seconds)
+        sched.postprocess(plan)
+        for req, _ in plan.scheduled:
+            if req.num_computed_tokens < len(req.token_ids):
+                continue  # a prompt chunk that does not end the prompt: no token yet
+            req.token_ids.append(1)  # what OutputProcessor.append_token records, the policy reads
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            req.timings.token_times.append(now)
+            rid = req.request_id
+            first.setdefault(rid, now)
+            t, p, o = reqs[rid]
+            if req.num_output_tokens >= o:
+                sched.finish(req, "length")
+                gaps = max(o - 1, 1)
+                done[rid] = Served(t, p, o, first[rid] - t, (now - first[rid]) / gaps)
     return [done[f"r{i}"] for i in range(len(arrivals))]
 
 

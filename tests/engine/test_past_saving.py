@@ -58,7 +58,7 @@ class _Run:
         self.seq += 1
 
     def run_step(self) -> None:
-        plan = self.scheduler.step_plan()
+        plan = self.scheduler.step_plan(time.monotonic())
         self.scheduler.postprocess(plan)
         for req, _ in plan.scheduled:
             if req.num_computed_tokens >= req.num_prompt_tokens:
@@ -91,7 +91,7 @@ def test_predicted_miss_is_past_saving_before_its_deadline_passes() -> None:
     run = _Run(_scheduler("slo"))
     run.add("doomed", 2000, ttft_s=1.0)
     run.add("new", 100, ttft_s=1.0)
-    plan = run.scheduler.step_plan()
+    plan = run.scheduler.step_plan(time.monotonic())
     # The newcomer, second in arrival order, gets all but the late one's reserve of 16 tokens.
     assert [(req.request_id, n) for req, n in plan.scheduled] == [("new", BUDGET - 16), ("doomed", 16)]
 
@@ -192,7 +192,7 @@ def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
     for i, max_tokens in enumerate((100, 60)):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         scheduler.add(Request(f"long{i}", [5, 6, 7, 8], params, RequestTimings(arrival=now), seq_no=i))
-    plan = scheduler.step_plan()  # both prefill in one step, then decode
+    plan = scheduler.step_plan(now)  # both prefill in one step, then decode
     scheduler.postprocess(plan)
     for req, _ in plan.scheduled:
         req.token_ids.append(1)  # each has its first output token
@@ -247,7 +247,7 @@ def test_admission_counts_a_late_request_ahead_for_a_slot() -> None:
         for i, max_tokens in enumerate((100, 60)):
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             scheduler.add(Request(f"long{i}", [5, 6, 7, 8], params, RequestTimings(arrival=now), seq_no=i))
-        plan = scheduler.step_plan()
+        plan = scheduler.step_plan(now)
         scheduler.postprocess(plan)
         for req, _ in plan.scheduled:
             req.token_ids.append(1)

@@ -147,7 +147,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and the model once; return an output per request that advanced."""
         begin = time.monotonic()
-        plan = self.scheduler.step_plan()
+        plan = self.scheduler.step_plan(begin)
         self.last_plan = plan
         if not plan.scheduled:
             return []

@@ -3,14 +3,15 @@
 Decodes go first; prompts are then prefilled in chunks, in the policy's order and under its cap,
 with what remains, so a long prompt never takes more than its chunk in a step (a request past saving
 keeps a reserve of the budget and the next free sequence slot). When blocks run out,
-the policy's victim is preempted by recompute and requeued ahead of newer arrivals. The scheduler is
-the KV cache's only owner: it allocates, commits after the step (`postprocess`) and frees.
+the policy's victim is preempted by recompute and requeued ahead of newer arrivals. It reads no clock
+(the caller hands `now` in) and owns no cache: the engine builds the block manager and the runner holds
+the pool's tensors; the scheduler decides which blocks a request holds (allocates, commits after the
+step in `postprocess`, frees).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,8 +76,8 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def step_plan(self) -> StepPlan:
-        """Decide this step's batch; allocates the blocks it needs."""
+    def step_plan(self, now: float) -> StepPlan:
+        """Decide this step's batch at time `now` (the caller's clock); allocates the blocks it needs."""
         plan = StepPlan()
         scheduled: set[str] = set()
         budget = self.config.max_num_batched_tokens
@@ -90,7 +91,6 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
-        now = time.monotonic()
         plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
         left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
