@@ -197,14 +197,22 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def start_running(self, req: Request, num_computed: int, now: float) -> None:
-        """Run a request whose first `num_computed` tokens' blocks it already holds (a fork)."""
-        req.num_computed_tokens = num_computed
-        req.status = RequestStatus.RUNNING
-        req.timings.cached_tokens = num_computed
-        req.timings.first_scheduled = now
-        self.kv.count_lookup(len(req.token_ids), num_computed)
-        self.running.append(req)
+    def fork(self, parent: Request, child: Request, now: float) -> None:
+        """Start `child`, a sibling with the same prompt, once `parent`'s prompt is computed: it takes
+        the parent's full prompt blocks by reference and recomputes only the partial last block (its
+        own first sample needs that last position's logits). With the batch full it queues instead,
+        and still hits the prefix cache."""
+        if len(self.running) >= self.config.max_num_seqs:
+            self.add(child)
+            return
+        shared = (parent.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        self.kv.fork(parent.request_id, child.request_id, shared)  # full blocks only: no copy
+        child.num_computed_tokens = shared
+        child.status = RequestStatus.RUNNING
+        child.timings.cached_tokens = shared
+        child.timings.first_scheduled = now
+        self.kv.count_lookup(len(child.token_ids), shared)
+        self.running.append(child)
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and put it back at the head of the queue, to be recomputed."""
