@@ -5,6 +5,7 @@ against transformers' `generate` on the same weights. Never run beside another m
     .venv/bin/python benchmarks/engine_steps.py threads --threads 1 2     # --rounds 1 --steps 3 smoke-runs it
     .venv/bin/python benchmarks/engine_steps.py features                  # --steps 2 --warmup 1
     .venv/bin/python benchmarks/engine_steps.py offline --batches 1 8 32  # --batches 1 --output-tokens 4 --repeats 1
+    .venv/bin/python benchmarks/engine_steps.py commits --base 4845155   # --rounds 1 --steps 2 --model dummy:tiny
 
 - `threads`: per thread count, its own engine (each runner steps on its own count): a decode step of
   1 stream and of R streams, and the prefill step of one P-token prompt. The counts alternate round
@@ -13,6 +14,9 @@ against transformers' `generate` on the same weights. Never run beside another m
 - `features`: R streams decoding together, plain (temperature sampling) against every row asking
   for penalties, logprobs=5 and a JSON-schema grammar; the median step of each and their ratio
   (issue 14's target: at most 1.25x).
+- `commits`: this tree against another commit (a git worktree made for the run): a decode step of 1
+  stream and of R, and the prefill step of a P-token prompt, each round in a fresh process per tree
+  with that tree's source first on the path, the trees alternating; for "no slowdown" claims.
 - `offline`: the same chat prompts of varied length through transformers' `generate` (padded static
   batches, float32 weights dequantized by tailserve's loader) and `LLM.generate` (its
   --weight-format), greedy, alternating; by default generation stops at EOS and only useful tokens
@@ -24,17 +28,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from hf_models import hf_model
 from machine import git_commit, machine_line
+from step_timer import decode_steps_ms, engine_for, prefill_step_ms, timed_decode_steps
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLM
@@ -44,79 +53,6 @@ from tailserve.weights.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM  # imported by hf_models only when `offline` runs
-
-
-def engine_for(
-    model: str,
-    rows: int,
-    step_tokens: int,
-    threads: int | None = None,
-    weight_format: str = "auto",
-    device: str = "cpu",
-) -> LLMEngine:
-    """An engine of `model` with room for `rows` streams and `step_tokens` a step; prefix caching off,
-    so a repeated prompt is prefilled again."""
-    return LLMEngine(
-        EngineConfig(
-            model=ModelConfig(
-                model=model,
-                weight_format=weight_format,
-                device=device,
-                max_model_len=2048,
-                num_threads=threads,
-            ),
-            cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max(rows, 16), max_num_batched_tokens=max(2048, step_tokens)
-            ),
-        )
-    )
-
-
-def timed_decode_steps(engine: LLMEngine, rows: int, warmup: int, steps: int) -> list[float]:
-    """With `rows` requests added: prefill them all, then the milliseconds of each of `steps` steps
-    in which all of them decode (after `warmup` untimed ones); aborts them after."""
-    engine.last_plan = None
-    while engine.last_plan is None or engine.last_plan.num_decodes < rows:  # prefill everyone first
-        engine.step()
-    times = []
-    for k in range(warmup + steps):
-        start = time.perf_counter()
-        engine.step()
-        if k >= warmup:
-            times.append(1000 * (time.perf_counter() - start))
-        assert engine.last_plan is not None and engine.last_plan.num_decodes == rows, "a stream ended early"
-    engine.abort_all()
-    return times
-
-
-def prompt_ids(engine: LLMEngine, tokens: int, salt: int) -> list[int]:
-    """`tokens` ids inside the model's vocabulary, a different sequence for each salt."""
-    vocab = engine.arch.vocab_size
-    return [(salt * 7919 + j * 31) % (vocab - 3) + 3 for j in range(tokens)]
-
-
-def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int) -> list[float]:
-    """Milliseconds of each step once `rows` requests of 64-token prompts all decode."""
-    for i in range(rows):
-        prompt = prompt_ids(engine, 64, i)
-        params = SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True)
-        engine.add_request(f"d{rows}-{i}-{time.monotonic_ns()}", prompt, params)
-    return timed_decode_steps(engine, rows, warmup, steps)
-
-
-def prefill_step_ms(engine: LLMEngine, tokens: int, repeats: int) -> list[float]:
-    """Milliseconds of the one step that prefills a fresh `tokens`-token prompt, `repeats` times."""
-    times = []
-    for r in range(repeats):
-        prompt = prompt_ids(engine, tokens, 1000 + r)
-        engine.add_request(f"p{tokens}-{r}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1))
-        start = time.perf_counter()
-        engine.step()
-        times.append(1000 * (time.perf_counter() - start))
-        while engine.has_unfinished():
-            engine.step()
-    return times
 
 
 # ----- threads ------------------------------------------------------------------------------------
@@ -163,6 +99,72 @@ def run_threads(args: argparse.Namespace) -> list[str]:
             medians = ", ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in samples.items())
             print(f"round {rnd + 1}, {n} thread(s): {medians}", flush=True)
     return [header, "", *threads_table(rounds, args.threads)]
+
+
+# ----- commits ------------------------------------------------------------------------------------
+def commit_round(tree: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One round of step_timer.py's worker on `tree`'s source (its src/ first on the path)."""
+    cmd = [sys.executable, str(Path(__file__).with_name("step_timer.py")), "--model", args.model]
+    cmd += ["--weight-format", args.weight_format, "--rows", str(args.rows), "--prompt", str(args.prompt)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += [] if args.threads is None else ["--threads", str(args.threads)]
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"step_timer on {tree} failed: {done.stderr.strip()[-2000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(report["source"]).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the worker imported {report['source']}, not {tree}'s tailserve")
+    figures: dict[str, float] = report["figures"]
+    return figures
+
+
+def commits_table(rounds: Mapping[tuple[str, str], Sequence[float]], names: Sequence[str]) -> list[str]:
+    """Markdown rows: per figure, each tree's median of its round medians (rounds in brackets), the
+    second over the first, and the spread of the first's rounds (max / min) to read the ratio against."""
+    figures = list(dict.fromkeys(name for _, name in rounds))
+    base, head = names
+    lines = [
+        f"| figure | {base} ms | {head} ms | {head} / {base} | {base} spread (max/min) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for fig in figures:
+        a, b = rounds[(base, fig)], rounds[(head, fig)]
+        cells = [f"{statistics.median(v):.1f} ({', '.join(f'{x:.1f}' for x in v)})" for v in (a, b)]
+        ratio = statistics.median(b) / statistics.median(a)
+        lines.append(f"| {fig} | {cells[0]} | {cells[1]} | {ratio:.3f} | {max(a) / min(a):.3f} |")
+    return lines
+
+
+def run_commits(args: argparse.Namespace) -> list[str]:
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(base_tree), args.base], check=True
+        )
+        try:
+            trees = {args.base: base_tree, "HEAD": root}
+            names = list(trees)
+            rounds: dict[tuple[str, str], list[float]] = {}
+            for rnd in range(args.rounds):
+                for name in names if rnd % 2 == 0 else list(reversed(names)):
+                    figures = commit_round(trees[name], args)
+                    for fig, ms in figures.items():
+                        rounds.setdefault((name, fig), []).append(ms)
+                    print(
+                        f"round {rnd + 1}, {name}: "
+                        + ", ".join(f"{k} {v:.1f} ms" for k, v in figures.items()),
+                        flush=True,
+                    )
+        finally:
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(base_tree)], check=False
+            )
+    header = (
+        f"{args.base} against HEAD (the working tree), {args.rounds} rounds, each a fresh process per tree"
+    )
+    return [header, "", *commits_table(rounds, names)]
 
 
 # ----- features -----------------------------------------------------------------------------------
@@ -357,6 +359,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     threads.add_argument("--warmup", type=int, default=5)
     threads.add_argument("--model", default="default")
     threads.set_defaults(run=run_threads)
+    commits = sub.add_parser("commits", help="decode and prefill steps of another commit against this tree")
+    commits.add_argument("--base", required=True, help="the commit to compare against (git rev)")
+    commits.add_argument("--rounds", type=int, default=6, help="alternations of the two trees")
+    commits.add_argument("--rows", type=int, default=16, help="streams of the batched decode step")
+    commits.add_argument("--prompt", type=int, default=1600, help="tokens of the prefill step")
+    commits.add_argument("--steps", type=int, default=30, help="timed decode steps per figure and round")
+    commits.add_argument("--warmup", type=int, default=5)
+    commits.add_argument("--threads", type=int, default=None, help="engine threads (default: as the server)")
+    commits.add_argument("--weight-format", default="int4")
+    commits.add_argument("--model", default="default")
+    commits.set_defaults(run=run_commits)
     features = sub.add_parser(
         "features", help="a decode step with penalties, logprobs and a grammar on every row"
     )

@@ -35,6 +35,19 @@ def test_the_threads_table_gives_medians_of_round_medians_and_their_ratio() -> N
     )
 
 
+def test_the_commits_table_gives_the_ratio_and_the_base_spread() -> None:
+    rounds = {
+        ("4845155", "decode step, 1 stream"): [10.0, 12.0, 11.0],
+        ("HEAD", "decode step, 1 stream"): [11.0, 11.0, 12.1],
+    }
+    lines = engine_steps.commits_table(rounds, ["4845155", "HEAD"])
+    assert lines[0] == "| figure | 4845155 ms | HEAD ms | HEAD / 4845155 | 4845155 spread (max/min) |"
+    assert (
+        lines[2]
+        == "| decode step, 1 stream | 11.0 (10.0, 12.0, 11.0) | 11.0 (11.0, 11.0, 12.1) | 1.000 | 1.200 |"
+    )
+
+
 def test_the_step_timers_time_the_steps_asked_and_leave_the_engine_empty() -> None:
     engine = engine_steps.engine_for("dummy:tiny", rows=3, step_tokens=64, threads=1)
     decode = engine_steps.decode_steps_ms(engine, rows=3, steps=4, warmup=1)

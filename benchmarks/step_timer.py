@@ -1,0 +1,128 @@
+"""Engine step timers on the in-process engine, and a worker that prints one round of them as JSON.
+
+Imports only what every commit of tailserve has had (tailserve.config, the engine's LLMEngine and
+SamplingParams), so `engine_steps.py commits` can run the worker against an older tree's source
+(PYTHONPATH=that tree's src) and compare two commits in the same run.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/step_timer.py --rows 16 --prompt 1600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tailserve.engine.llm_engine import LLMEngine
+from tailserve.engine.request import SamplingParams
+
+
+def engine_for(
+    model: str,
+    rows: int,
+    step_tokens: int,
+    threads: int | None = None,
+    weight_format: str = "auto",
+    device: str = "cpu",
+) -> LLMEngine:
+    """An engine of `model` with room for `rows` streams and `step_tokens` a step; prefix caching off,
+    so a repeated prompt is prefilled again."""
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(
+                model=model,
+                weight_format=weight_format,
+                device=device,
+                max_model_len=2048,
+                num_threads=threads,
+            ),
+            cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max(rows, 16), max_num_batched_tokens=max(2048, step_tokens)
+            ),
+        )
+    )
+
+
+def timed_decode_steps(engine: LLMEngine, rows: int, warmup: int, steps: int) -> list[float]:
+    """With `rows` requests added: prefill them all, then the milliseconds of each of `steps` steps
+    in which all of them decode (after `warmup` untimed ones); aborts them after."""
+    engine.last_plan = None
+    while engine.last_plan is None or engine.last_plan.num_decodes < rows:  # prefill everyone first
+        engine.step()
+    times = []
+    for k in range(warmup + steps):
+        start = time.perf_counter()
+        engine.step()
+        if k >= warmup:
+            times.append(1000 * (time.perf_counter() - start))
+        assert engine.last_plan is not None and engine.last_plan.num_decodes == rows, "a stream ended early"
+    engine.abort_all()
+    return times
+
+
+def prompt_ids(engine: LLMEngine, tokens: int, salt: int) -> list[int]:
+    """`tokens` ids inside the model's vocabulary, a different sequence for each salt."""
+    vocab = engine.arch.vocab_size
+    return [(salt * 7919 + j * 31) % (vocab - 3) + 3 for j in range(tokens)]
+
+
+def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int) -> list[float]:
+    """Milliseconds of each step once `rows` requests of 64-token prompts all decode."""
+    for i in range(rows):
+        prompt = prompt_ids(engine, 64, i)
+        params = SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True)
+        engine.add_request(f"d{rows}-{i}-{time.monotonic_ns()}", prompt, params)
+    return timed_decode_steps(engine, rows, warmup, steps)
+
+
+def prefill_step_ms(engine: LLMEngine, tokens: int, repeats: int) -> list[float]:
+    """Milliseconds of the one step that prefills a fresh `tokens`-token prompt, `repeats` times."""
+    times = []
+    for r in range(repeats):
+        prompt = prompt_ids(engine, tokens, 1000 + r)
+        engine.add_request(f"p{tokens}-{r}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        engine.step()
+        times.append(1000 * (time.perf_counter() - start))
+        while engine.has_unfinished():
+            engine.step()
+    return times
+
+
+def one_round(engine: LLMEngine, rows: int, prompt: int, steps: int, warmup: int) -> dict[str, float]:
+    """The medians of one round: a decode step of 1 stream and of `rows`, and a `prompt`-token
+    prefill step (its first run dropped), in milliseconds."""
+    return {
+        "decode step, 1 stream": statistics.median(decode_steps_ms(engine, 1, steps, warmup)),
+        f"decode step, {rows} streams": statistics.median(decode_steps_ms(engine, rows, steps, warmup)),
+        f"prefill step, {prompt} tokens": statistics.median(prefill_step_ms(engine, prompt, 4)[1:]),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one round of engine step timings, as JSON")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--weight-format", default="int4")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=1600)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args(argv)
+    import tailserve
+
+    engine = engine_for(args.model, args.rows, args.prompt, args.threads, args.weight_format)
+    figures = one_round(engine, args.rows, args.prompt, args.steps, args.warmup)
+    print(
+        json.dumps({"source": tailserve.__file__, "weight_format": engine.weight_format, "figures": figures})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
