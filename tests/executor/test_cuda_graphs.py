@@ -6,6 +6,8 @@ tests need a GPU and skip without one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -33,9 +35,9 @@ PROMPTS = [list(range(5, 18)), list(range(30, 38)), list(range(60, 63))]  # 13, 
 TABLES = [[3, 9, 4, 1], [7, 2, 11], [5, 0, 8]]  # scattered blocks; block 0 in use by a real sequence
 
 
-def _prefill(runners: list[ModelRunner]) -> list[int | None]:
+def _prefill(runners: list[ModelRunner]) -> Sequence[int | None]:
     chunks = [SeqChunk(p, 0, t, True, SamplingSpec()) for p, t in zip(PROMPTS, TABLES, strict=True)]
-    outs = [r.execute(chunks) for r in runners]
+    outs = [r.execute(chunks).tokens for r in runners]
     assert all(o == outs[0] for o in outs)
     return outs[0]
 
@@ -63,8 +65,8 @@ def test_padded_static_decode_equals_eager_steps(tiny: LoadedModel) -> None:
         written = (wrapped.kv_pool != before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
         own = sorted(c.block_table[c.start_pos // PAGE] * PAGE + c.start_pos % PAGE for c in chunks)
         assert sorted(written) == own, "padding wrote a slot no real sequence owns"
-        tokens = graphs.execute(chunks)
-        assert tokens == eager.execute(chunks)
+        tokens = graphs.execute(chunks).tokens
+        assert tokens == eager.execute(chunks).tokens
         # Different batch shapes may round differently in the last bit.
         assert torch.allclose(wrapped.kv_pool, eager.kv_pool, atol=1e-5)
         seqs = [s + [t] for s, t in zip(seqs, tokens, strict=True) if t is not None]
@@ -99,8 +101,8 @@ def test_the_switch_decides_which_path_a_decode_step_takes(tiny: LoadedModel) ->
         switched.use_decode_graphs = use_graphs
         graph_steps, eager_steps = switched.num_graph_steps, switched.num_eager_steps
         chunks = _decodes(seqs)
-        tokens = switched.execute(chunks)
-        assert tokens == eager.execute(chunks)
+        tokens = switched.execute(chunks).tokens
+        assert tokens == eager.execute(chunks).tokens
         assert switched.num_graph_steps - graph_steps == int(use_graphs)
         assert switched.num_eager_steps - eager_steps == int(not use_graphs)
         seqs = [s + [t] for s, t in zip(seqs, tokens, strict=True) if t is not None]
@@ -148,7 +150,7 @@ def test_graph_replay_equals_eager_on_cuda(tiny: LoadedModel) -> None:
         want = eager.logits_for(chunks)
         got = graphs.decode_logits(chunks).clone()
         assert (got - want).abs().max().item() < 1e-3
-        tokens = graphs.execute(chunks)
-        assert tokens == eager.execute(chunks)
+        tokens = graphs.execute(chunks).tokens
+        assert tokens == eager.execute(chunks).tokens
         seqs = [s + [t] for s, t in zip(seqs, tokens, strict=True) if t is not None]
     assert torch.allclose(wrapped.kv_pool, eager.kv_pool, atol=1e-3)

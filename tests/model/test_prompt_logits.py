@@ -53,14 +53,16 @@ def test_prompt_rows_are_scored_against_the_next_prompt_token(
     # Another sequence's prompt, then its decode, share the steps with the scored chunks.
     runner.execute([SeqChunk(other, 0, [10], True, greedy)])
     first = SeqChunk(prompt[:10], 0, [0, 1], False, greedy, prompt_targets=prompt[1:11], prompt_top=3)
-    runner.execute([SeqChunk([other[0]], len(other), [10], True, greedy, decode=True), first])
+    first_result = runner.execute([SeqChunk([other[0]], len(other), [10], True, greedy, decode=True), first])
     rest = SeqChunk(
         prompt[10:], 10, [0, 1], True, SamplingSpec(logprobs=2), prompt_targets=prompt[11:], prompt_top=3
     )
     plain = SeqChunk(other, 0, [11], True, greedy)
-    runner.execute([rest, plain])
-    assert first.prompt_result is not None and rest.prompt_result is not None and plain.prompt_result is None
-    scored = first.prompt_result + rest.prompt_result
+    result = runner.execute([rest, plain])
+    first_scores, (rest_scores, plain_scores) = first_result.prompt_scores[1], result.prompt_scores
+    assert first_scores is not None and rest_scores is not None and plain_scores is None
+    assert first_result.prompt_scores[0] is None and first_result.logprobs == [None, None]
+    scored = first_scores + rest_scores
     assert len(scored) == p - 1  # every prompt token after the first; the last row samples instead
     ref = _reference(runner, prompt, 10)
     for i, (logprob, top) in enumerate(scored):
@@ -70,8 +72,9 @@ def test_prompt_rows_are_scored_against_the_next_prompt_token(
             assert [t for t, _ in top] == ref[i].topk(3).indices.tolist()
         for token, value in top:
             assert abs(value - float(ref[i, token])) < tol
-    assert rest.sampling.logprob_result is not None  # the sampled row keeps its own logprobs
-    assert abs(rest.sampling.logprob_result[0] - float(ref[p - 1].max())) < tol
+    rest_logprob = result.logprobs[0]
+    assert rest_logprob is not None and result.logprobs[1] is None  # the sampled row keeps its own logprobs
+    assert abs(rest_logprob[0] - float(ref[p - 1].max())) < tol
 
 
 def test_prompt_logprobs_under_tensor_parallelism_equal_one_rank() -> None:

@@ -52,7 +52,7 @@ def test_draws_follow_the_reference_distribution(name: str) -> None:
         )
         for i in range(n)
     ]
-    tokens = torch.tensor(sample(logits, specs))
+    tokens = torch.tensor(sample(logits, specs).tokens)
     expected = _reference_probs(logits[0], base)
     assert bool((expected[tokens] > 0).all()), "a token outside the kept set was drawn"
     observed = torch.bincount(tokens, minlength=VOCAB).double() / n
@@ -88,10 +88,10 @@ def test_a_rows_tokens_do_not_depend_on_the_batch(threads: int) -> None:
     try:
         for seed in range(5):
             logits = _logits(7, seed, scale=2.0)
-            batched = [sample(logits, _mixed_specs(seed)) for _ in range(1)][0]
-            alone = [sample(logits[i : i + 1], [_mixed_specs(seed)[i]])[0] for i in range(7)]
+            batched = [sample(logits, _mixed_specs(seed)).tokens for _ in range(1)][0]
+            alone = [sample(logits[i : i + 1], [_mixed_specs(seed)[i]]).tokens[0] for i in range(7)]
             assert batched == alone
-            reordered = sample(logits.flip(0), _mixed_specs(seed)[::-1])
+            reordered = sample(logits.flip(0), _mixed_specs(seed)[::-1]).tokens
             assert reordered[::-1] == batched
     finally:
         torch.set_num_threads(before)
@@ -101,7 +101,8 @@ def test_same_generator_state_same_tokens_over_many_steps() -> None:
     def run() -> list[int]:
         g = torch.Generator().manual_seed(42)
         return [
-            sample(_logits(1, step), [SamplingSpec(1.0, top_p=0.9, generator=g)])[0] for step in range(30)
+            sample(_logits(1, step), [SamplingSpec(1.0, top_p=0.9, generator=g)]).tokens[0]
+            for step in range(30)
         ]
 
     assert run() == run()
@@ -111,7 +112,7 @@ def test_same_generator_state_same_tokens_over_many_steps() -> None:
 def test_top_k_one_is_greedy() -> None:
     logits = _logits(4)
     specs = [SamplingSpec(1.5, top_k=1, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    assert sample(logits, specs) == logits.argmax(-1).tolist()
+    assert sample(logits, specs).tokens == logits.argmax(-1).tolist()
 
 
 def test_penalties_match_a_dense_reference() -> None:
@@ -145,13 +146,13 @@ def test_logit_bias_and_banned_tokens() -> None:
             1.0, generator=torch.Generator().manual_seed(0), banned_token_ids=[int(logits[2].argmax())]
         ),
     ]
-    tokens = sample(logits, specs)
+    tokens = sample(logits, specs).tokens
     assert tokens[0] != best
     assert tokens[1] == 5
     banned_spec = specs[2]
     for seed in range(200):
         banned_spec.generator = torch.Generator().manual_seed(seed)
-        assert sample(logits[2:], [banned_spec])[0] not in banned_spec.banned_token_ids
+        assert sample(logits[2:], [banned_spec]).tokens[0] not in banned_spec.banned_token_ids
 
 
 def test_the_sort_fallback_draws_from_the_same_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,7 +162,7 @@ def test_the_sort_fallback_draws_from_the_same_set(monkeypatch: pytest.MonkeyPat
     base = SPECS["min_p"]
     logits = _logits(1).expand(500, VOCAB).contiguous()
     specs = [SamplingSpec(1.2, min_p=0.1, generator=torch.Generator().manual_seed(i)) for i in range(500)]
-    tokens = torch.tensor(sample(logits, specs))
+    tokens = torch.tensor(sample(logits, specs).tokens)
     assert bool((_reference_probs(logits[0], base)[tokens] > 0).all())
 
 
@@ -175,9 +176,8 @@ def test_logprobs_come_from_the_logits_before_any_adjustment() -> None:
         ),
         SamplingSpec(),
     ]
-    tokens = sample(logits, specs)
-    first, second = specs[0].logprob_result, specs[1].logprob_result
-    assert first is not None and second is not None and specs[2].logprob_result is None
+    tokens, (first, second, third) = sample(logits, specs)
+    assert first is not None and second is not None and third is None
     assert first[0] == pytest.approx(float(raw[0, tokens[0]]), abs=1e-6)
     assert [t for t, _ in first[1]] == raw[0].topk(3).indices.tolist()
     assert second[0] == pytest.approx(float(raw[1, tokens[1]]), abs=1e-6) and second[1] == []

@@ -35,7 +35,7 @@ from tailserve.executor import warmup
 from tailserve.executor.build import use_device
 from tailserve.executor.builder import build_runner
 from tailserve.executor.runner import SeqChunk
-from tailserve.model.sampler import SamplingSpec
+from tailserve.model.sampler import SamplingSpec, TokenScore
 from tailserve.quality.gate import choose_weight_format
 from tailserve.weights.loader import LoadedModel
 from tailserve.weights.tokenizer import IncrementalDetokenizer
@@ -151,31 +151,31 @@ class LLMEngine:
         self.last_plan = plan
         if not plan.scheduled:
             return []
+        masks = self._grammar_masks(plan)
         chunks = [
-            _chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids)
+            _chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids, masks.get(i))
             for i, ((req, n), table) in enumerate(zip(plan.scheduled, plan.block_tables, strict=True))
         ]
-        self._fill_grammar_masks(plan, chunks)
         start = time.monotonic()
-        sampled = self.runner.execute(chunks)
+        result = self.runner.execute(chunks)
         now = time.monotonic()
-        for (req, _), chunk in zip(plan.scheduled, chunks, strict=True):
-            if chunk.prompt_result is not None:
-                _record_prompt_logprobs(req, chunk)
+        for (req, _), chunk, scores in zip(plan.scheduled, chunks, result.prompt_scores, strict=True):
+            if scores is not None:
+                _record_prompt_logprobs(req, chunk, scores)
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
         for req, _ in plan.scheduled:
             if req.request_id in self._forks and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._fork_prompt(req, now)
         outputs: list[RequestOutput] = []
-        for (req, _), chunk, token in zip(plan.scheduled, chunks, sampled, strict=True):
+        for (req, _), token, score in zip(plan.scheduled, result.tokens, result.logprobs, strict=True):
             if token is None:
                 continue
             if req.params.max_tokens == 0:  # the prompt only (scored for echo): nothing is generated
                 outputs.append(self._finish_prompt_only(req, now))
                 continue
-            if (result := chunk.sampling.logprob_result) is not None:
-                req.logprobs.append(TokenLogprob(token, result[0], tuple(result[1])))
+            if score is not None:
+                req.logprobs.append(TokenLogprob(token, score[0], tuple(score[1])))
             rejected = req.grammar is not None and not req.grammar.accept(token)
             if rejected:
                 # The bitmask allows only tokens the grammar accepts: reaching here is a mask bug, so
@@ -199,15 +199,16 @@ class LLMEngine:
             self.step_stats.record_tensor_parallel(kind, self.runner.last_comm_s, self.runner.last_compute_s)
         return outputs
 
-    def _fill_grammar_masks(self, plan: StepPlan, chunks: list[SeqChunk]) -> None:
-        """The allowed-token bitmask of every sampling row that has a grammar (one tensor for all)."""
+    def _grammar_masks(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        """The allowed-token bitmask of each request that samples under a grammar this step, by its
+        place in the plan (one tensor for all)."""
         rows = [
-            (req, c) for (req, _), c in zip(plan.scheduled, chunks, strict=True) if c.sample and req.grammar
+            i for i, (req, n) in enumerate(plan.scheduled) if req.grammar is not None and _samples(req, n)
         ]
-        if rows:
-            masks = self.grammars.bitmask([req.grammar for req, _ in rows])
-            for j, (_, chunk) in enumerate(rows):
-                chunk.sampling.token_bitmask = masks[j]
+        if not rows:
+            return {}
+        masks = self.grammars.bitmask([plan.scheduled[i][0].grammar for i in rows])
+        return {i: masks[j] for j, i in enumerate(rows)}
 
     def _finish_prompt_only(self, req: Request, now: float) -> RequestOutput:
         """max_tokens=0: the prompt is computed (and scored); the sampled token is dropped."""
@@ -218,10 +219,17 @@ class LLMEngine:
         return self.outputs.output(req, [], finished=True)
 
     def _fork_prompt(self, parent: Request, now: float) -> None:
-        """The parent's prompt is computed: its waiting siblings start on its blocks (`Scheduler.fork`)."""
+        """The parent's prompt is computed: its waiting siblings take its full blocks by reference and
+        start running; each recomputes only the tokens of the partial last block (its own first
+        sample needs that last position's logits)."""
+        shared = (parent.num_prompt_tokens - 1) // self.scheduler.kv.block_size * self.scheduler.kv.block_size
         for child in self._forks.pop(parent.request_id, []):
             child.prompt_logprobs = list(parent.prompt_logprobs)  # same prompt, same scores
-            self.scheduler.fork(parent, child, now)
+            if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+                self.scheduler.add(child)  # the batch is full: it queues (and still hits the prefix cache)
+                continue
+            self.scheduler.kv.fork(parent.request_id, child.request_id, shared)  # full blocks only: no copy
+            self.scheduler.start_running(child, shared, now)
 
     def _release_forks(self, parent: Request) -> None:
         """The parent ends before its prompt was shared: its siblings queue as ordinary requests."""
@@ -260,7 +268,19 @@ class LLMEngine:
         return self.scheduler.estimate_wait_s(num_prompt_tokens, snap, time.monotonic(), ttft_s)
 
 
-def _chunk(req: Request, n: int, block_table: list[int], decode: bool, eos_ids: Iterable[int]) -> SeqChunk:
+def _samples(req: Request, n: int) -> bool:
+    """Running n more tokens reaches the request's last known token: the step samples its next one."""
+    return req.num_computed_tokens + n == len(req.token_ids)
+
+
+def _chunk(
+    req: Request,
+    n: int,
+    block_table: list[int],
+    decode: bool,
+    eos_ids: Iterable[int],
+    bitmask: torch.Tensor | None,
+) -> SeqChunk:
     c = req.num_computed_tokens
     # Scoring the prompt: each row up to the second-to-last prompt token predicts the next prompt token.
     targets = req.token_ids[c + 1 : min(c + n, req.num_prompt_tokens - 1) + 1] if req.scores_prompt else []
@@ -268,24 +288,24 @@ def _chunk(req: Request, n: int, block_table: list[int], decode: bool, eos_ids: 
         token_ids=req.token_ids[c : c + n],
         start_pos=c,
         block_table=block_table,
-        sample=c + n == len(req.token_ids),
-        sampling=_sampling_spec(req, eos_ids),
+        sample=_samples(req, n),
+        sampling=_sampling_spec(req, eos_ids, bitmask),
         decode=decode,
         prompt_targets=targets,
         prompt_top=req.params.prompt_logprobs or 0,
     )
 
 
-def _record_prompt_logprobs(req: Request, chunk: SeqChunk) -> None:
+def _record_prompt_logprobs(req: Request, chunk: SeqChunk, scores: list[TokenScore]) -> None:
     """Entry i scores prompt token i + 1; a chunk recomputed after preemption overwrites its own."""
     c = chunk.start_pos
-    if chunk.prompt_result is None or c > len(req.prompt_logprobs):
+    if c > len(req.prompt_logprobs):
         return
-    scored = zip(chunk.prompt_targets, chunk.prompt_result, strict=True)
+    scored = zip(chunk.prompt_targets, scores, strict=True)
     req.prompt_logprobs[c:] = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in scored]
 
 
-def _sampling_spec(req: Request, eos_ids: Iterable[int]) -> SamplingSpec:
+def _sampling_spec(req: Request, eos_ids: Iterable[int], bitmask: torch.Tensor | None) -> SamplingSpec:
     """The sampler's view of a request this step; end and stop tokens are banned until min_tokens
     (not under a grammar: once it is complete its end token may be the only one left)."""
     p = req.params
@@ -306,4 +326,5 @@ def _sampling_spec(req: Request, eos_ids: Iterable[int]) -> SamplingSpec:
         token_ids=req.token_ids,
         num_prompt_tokens=req.num_prompt_tokens,
         logprobs=p.logprobs,
+        token_bitmask=bitmask,
     )

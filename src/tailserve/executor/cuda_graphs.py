@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tailserve.executor.runner import ModelRunner, SeqChunk
+from tailserve.executor.runner import ModelRunner, SeqChunk, StepResult, step_result
 from tailserve.model.attention import AttentionMetadata
 from tailserve.model.sampler import sample
 
@@ -121,7 +121,7 @@ class DecodeGraphRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
+    def execute(self, chunks: list[SeqChunk]) -> StepResult:
         """Like ModelRunner.execute: replay a graph for a decode-only batch, else run eagerly."""
         if not self.can_run(chunks):
             return self.runner.execute_eager(chunks)
@@ -129,11 +129,7 @@ class DecodeGraphRunner:
         rows = [i for i, c in enumerate(chunks) if c.sample]
         if len(rows) < len(chunks):
             logits = logits[rows]
-        tokens = sample(logits, [chunks[i].sampling for i in rows]) if rows else []
-        result: list[int | None] = [None] * len(chunks)
-        for i, tok in zip(rows, tokens, strict=True):
-            result[i] = tok
-        return result
+        return step_result(chunks, sample(logits, [chunks[i].sampling for i in rows]))
 
     @torch.inference_mode()
     def decode_logits(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, the preallocated KV pool and the attention backend; runs one step.
 
 It turns a list of sequence chunks into a flattened batch plus attention metadata, runs the
-forward pass and samples. The caller says which chunks are decodes (they come first); the runner
-never guesses. It knows nothing of requests, queues or stopping rules.
+forward pass and samples, and returns what it found as a `StepResult` (it never writes into the
+chunks). The caller says which chunks are decodes (they come first); the runner never guesses. It
+knows nothing of requests, queues or stopping rules.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from tailserve.model import cpu_fused
 from tailserve.model.attention import AttentionBackend, AttentionMetadata, PrefillSpan, TorchPagedAttention
-from tailserve.model.sampler import SamplingSpec, sample, token_logprobs
+from tailserve.model.sampler import Sampled, SamplingSpec, TokenScore, sample, token_logprobs
 from tailserve.model.transformer import TransformerLM
 from tailserve.weights.arch import ArchConfig
 
@@ -43,10 +44,38 @@ class SeqChunk:
     sampling: SamplingSpec
     decode: bool = False
     # Prompt log-probabilities: row i of the chunk is scored against prompt_targets[i] (the token
-    # after it) with its `prompt_top` most likely tokens; `execute` writes them to `prompt_result`.
+    # after it) with its `prompt_top` most likely tokens (`StepResult.prompt_scores`).
     prompt_targets: list[int] = field(default_factory=list)
     prompt_top: int = 0
-    prompt_result: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+class StepResult(NamedTuple):
+    """What one step found, one entry per chunk in the order given."""
+
+    tokens: Sequence[int | None]  # the sampled token; None where the chunk samples nothing
+    logprobs: Sequence[TokenScore | None]  # the sampled token's score where its spec asks for logprobs
+    prompt_scores: Sequence[list[TokenScore] | None]  # a score per prompt target where the chunk has any
+
+
+def no_result(num_chunks: int) -> StepResult:
+    """A step that sampled and scored nothing (a tensor-parallel worker's: rank 0 samples)."""
+    return StepResult([None] * num_chunks, [None] * num_chunks, [None] * num_chunks)
+
+
+def step_result(
+    chunks: Sequence[SeqChunk],
+    sampled: Sampled,
+    prompt_scores: Sequence[list[TokenScore] | None] | None = None,
+) -> StepResult:
+    """Spread `sample`'s rows (one per sampling chunk, in order) over all the chunks."""
+    tokens: Sequence[int | None] = sampled.tokens
+    logprobs = sampled.logprobs
+    if len(tokens) != len(chunks):  # some chunks (prompt chunks short of their end) sample nothing
+        rows = iter(range(len(tokens)))
+        at = [next(rows) if c.sample else None for c in chunks]
+        tokens = [None if i is None else sampled.tokens[i] for i in at]
+        logprobs = [None if i is None else sampled.logprobs[i] for i in at]
+    return StepResult(tokens, logprobs, prompt_scores or [None] * len(chunks))
 
 
 def kv_pool_shape(arch: ArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -63,7 +92,7 @@ class DecodeGraphs(Protocol):
     """Captured decode steps (executor.cuda_graphs.DecodeGraphRunner) the runner routes to."""
 
     def can_run(self, chunks: Sequence[SeqChunk]) -> bool: ...
-    def execute(self, chunks: list[SeqChunk]) -> list[int | None]: ...
+    def execute(self, chunks: list[SeqChunk]) -> StepResult: ...
 
 
 class ModelRunner:
@@ -119,10 +148,11 @@ class ModelRunner:
         self.use_decode_graphs = True
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> list[int | None]:
-        """Run one step; return the sampled token per chunk (None where the chunk samples nothing)."""
+    def execute(self, chunks: list[SeqChunk]) -> StepResult:
+        """Run one step; return the sampled token per chunk (None where the chunk samples nothing),
+        its logprobs and the prompt scores where asked."""
         if not chunks:
-            return []
+            return no_result(0)
         graphs = self.decode_graphs
         if self.use_decode_graphs and graphs is not None and graphs.can_run(chunks):
             self.num_graph_steps += 1
@@ -131,10 +161,10 @@ class ModelRunner:
         return self.execute_eager(chunks)
 
     @torch.inference_mode()
-    def execute_eager(self, chunks: list[SeqChunk]) -> list[int | None]:
+    def execute_eager(self, chunks: list[SeqChunk]) -> StepResult:
         """`execute` without CUDA graphs: one eager forward over the flattened batch."""
         if not chunks:
-            return []
+            return no_result(0)
         start = self._start_step("step", chunks)
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         scored = _scored_rows(chunks)  # after the sampled rows, only for chunks that ask
@@ -142,14 +172,13 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.kv_caches, meta, self.backend, logits_indices)
         self._end_step(start)
         if self.tp is not None and not self.tp.is_driver:
-            return [None] * len(chunks)  # rank 0 samples
+            return no_result(len(chunks))  # rank 0 samples
+        prompt_scores = None
         if scored:
-            _score_prompts(logits[len(logits_rows) :], chunks)
+            prompt_scores = _score_prompts(logits[len(logits_rows) :], chunks)
             logits = logits[: len(logits_rows)]
-        sampling = [c for c in chunks if c.sample]
-        tokens = sample(logits, [c.sampling for c in sampling]) if sampling else []
-        it = iter(tokens)
-        return [next(it) if c.sample else None for c in chunks]
+        specs = [c.sampling for c in chunks if c.sample]
+        return step_result(chunks, sample(logits, specs) if specs else Sampled([], []), prompt_scores)
 
     @torch.inference_mode()
     def logits_for(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -277,16 +306,20 @@ def _scored_rows(chunks: list[SeqChunk]) -> list[int]:
     return rows
 
 
-def _score_prompts(logits: torch.Tensor, chunks: list[SeqChunk]) -> None:
-    """Each asking chunk's prompt_result from its rows of `logits` (in `_scored_rows` order)."""
+def _score_prompts(logits: torch.Tensor, chunks: list[SeqChunk]) -> list[list[TokenScore] | None]:
+    """Each asking chunk's prompt scores from its rows of `logits` (in `_scored_rows` order); None
+    for the others."""
+    scores: list[list[TokenScore] | None] = []
     start = 0
     for c in chunks:
         if not (m := len(c.prompt_targets)):
+            scores.append(None)
             continue
         targets = torch.tensor(c.prompt_targets, dtype=torch.long, device=logits.device)
         chosen, top = token_logprobs(logits[start : start + m], targets, c.prompt_top)
-        c.prompt_result = list(zip(chosen, top, strict=True))
+        scores.append(list(zip(chosen, top, strict=True)))
         start += m
+    return scores
 
 
 def _check_order(chunks: list[SeqChunk]) -> None:

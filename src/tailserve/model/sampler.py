@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +23,7 @@ class SamplingSpec:
     `token_ids` is the sequence so far (prompt then output; the first `num_prompt_tokens` are the
     prompt): presence and frequency penalties count the output, the repetition penalty both.
     `banned_token_ids` get -inf this step (the engine bans end tokens until `min_tokens`).
-    With `logprobs` set (0-20), `sample` fills `logprob_result`: the drawn token's log-probability
-    and the `logprobs` most likely (token, log-probability) pairs, all under the model's own
+    With `logprobs` set (0-20), `sample` also returns the row's `TokenScore`, under the model's own
     distribution (log_softmax of the logits as they came in: before penalties, bias, temperature or
     any truncation).
     """
@@ -41,7 +41,6 @@ class SamplingSpec:
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
     logprobs: int | None = None
-    logprob_result: tuple[float, list[tuple[int, float]]] | None = None  # written by `sample`
     # Structured outputs: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is
     # allowed (the engine's grammar matcher fills it); every other token gets -inf.
     token_bitmask: torch.Tensor | None = None
@@ -51,7 +50,18 @@ class SamplingSpec:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> list[int]:
+# A token's log-probability and the k most likely (token id, log-probability) pairs, best first.
+TokenScore = tuple[float, list[tuple[int, float]]]
+
+
+class Sampled(NamedTuple):
+    """`sample`'s answer, one entry per row."""
+
+    tokens: list[int]
+    logprobs: Sequence[TokenScore | None]  # the drawn token's score where the row's spec asks (else None)
+
+
+def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> Sampled:
     """One token id per row of `logits` [R, vocab] (float32); `logits` itself is never modified."""
     raw = logits
     logits = adjust_logits(logits, specs)
@@ -62,19 +72,22 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> list[int]:
         tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
     if drawn:
         tokens[drawn] = _draw(_rows(logits, drawn), [specs[i] for i in drawn])
-    if wanted := [i for i, s in enumerate(specs) if s.logprobs is not None]:
-        _fill_logprobs(raw, tokens, wanted, specs)
-    return [int(t) for t in tokens.tolist()]
+    wanted = [i for i, s in enumerate(specs) if s.logprobs is not None]
+    scores = _score_drawn(raw, tokens, wanted, specs) if wanted else [None] * len(specs)
+    return Sampled([int(t) for t in tokens.tolist()], scores)
 
 
-def _fill_logprobs(
+def _score_drawn(
     logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], specs: Sequence[SamplingSpec]
-) -> None:
-    """log_softmax of the unadjusted logits: the drawn token's value and the top few, per asking row."""
+) -> list[TokenScore | None]:
+    """log_softmax of the unadjusted logits: the drawn token's value and the top few, per asking row
+    (None for the others)."""
     most = max(specs[i].logprobs or 0 for i in rows)
     chosen, top = token_logprobs(_rows(logits, rows), tokens[rows], most)
+    scores: list[TokenScore | None] = [None] * len(specs)
     for j, i in enumerate(rows):
-        specs[i].logprob_result = (chosen[j], top[j][: specs[i].logprobs or 0])
+        scores[i] = (chosen[j], top[j][: specs[i].logprobs or 0])
+    return scores
 
 
 def token_logprobs(

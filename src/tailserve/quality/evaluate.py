@@ -182,13 +182,13 @@ def _greedy(
     """Greedy continuations through `execute`: one prompt chunk each, then decode steps of all of them."""
     spec = SamplingSpec()
     first = runner.execute([SeqChunk(p, 0, tables[i], True, spec) for i, p in enumerate(prompts)])
-    outs = [[int(t)] for t in first if t is not None]
+    outs = [[int(t)] for t in first.tokens if t is not None]
     for step in range(1, num_tokens):
         chunks = [
             SeqChunk([out[-1]], len(p) + step - 1, tables[i], True, spec, decode=True)
             for i, (p, out) in enumerate(zip(prompts, outs, strict=True))
         ]
-        for out, tok in zip(outs, runner.execute(chunks), strict=True):
+        for out, tok in zip(outs, runner.execute(chunks).tokens, strict=True):
             assert tok is not None
             out.append(tok)
     return outs
