@@ -219,17 +219,10 @@ class LLMEngine:
         return self.outputs.output(req, [], finished=True)
 
     def _fork_prompt(self, parent: Request, now: float) -> None:
-        """The parent's prompt is computed: its waiting siblings take its full blocks by reference and
-        start running; each recomputes only the tokens of the partial last block (its own first
-        sample needs that last position's logits)."""
-        shared = (parent.num_prompt_tokens - 1) // self.scheduler.kv.block_size * self.scheduler.kv.block_size
+        """The parent's prompt is computed: its waiting siblings start on its blocks (`Scheduler.fork`)."""
         for child in self._forks.pop(parent.request_id, []):
             child.prompt_logprobs = list(parent.prompt_logprobs)  # same prompt, same scores
-            if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
-                self.scheduler.add(child)  # the batch is full: it queues (and still hits the prefix cache)
-                continue
-            self.scheduler.kv.fork(parent.request_id, child.request_id, shared)  # full blocks only: no copy
-            self.scheduler.start_running(child, shared, now)
+            self.scheduler.fork(parent, child, now)
 
     def _release_forks(self, parent: Request) -> None:
         """The parent ends before its prompt was shared: its siblings queue as ordinary requests."""
