@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -20,8 +19,7 @@ import tail_bound  # noqa: E402
 from tail_bound import StepCost, simulate  # noqa: E402
 
 from tailserve.config import SchedulerConfig  # noqa: E402
-from tailserve.engine.policy import PrefillOrder, SloPolicy  # noqa: E402
-from tailserve.engine.request import Request  # noqa: E402
+from tailserve.engine.policy import PrefillItem, PrefillRank, SloPolicy  # noqa: E402
 
 COST = StepCost(fixed=0.006, per_row=0.001, prompt_fixed=0.010, per_token=0.001)
 
@@ -69,21 +67,20 @@ def test_the_fit_recovers_the_step_cost_it_was_drawn_from() -> None:
 
 
 def test_the_policy_plans_on_the_virtual_clock() -> None:
-    """A request arriving 10^7 s into the simulation: every `now` the policy is handed after the
-    empty first plan (at 0) lies within its simulated life, so deadlines and TPOT room are computed
-    on the virtual clock the simulation hands `step_plan`, not on the machine's."""
+    """A request arriving 10^7 s into the simulation: every `now` its prompt is ranked at lies within
+    its simulated life, so deadlines are computed on the virtual clock the simulation hands
+    `step_plan`, not on the machine's."""
     seen: list[float] = []
-    order = SloPolicy.order_prefills
+    rank = SloPolicy.rank
 
-    def spy(self: SloPolicy, candidates: Sequence[Request], now: float) -> PrefillOrder:
+    def spy(self: SloPolicy, item: PrefillItem, now: float) -> PrefillRank:
         seen.append(now)
-        return order(self, candidates, now)
+        return rank(self, item, now)
 
-    with mock.patch.object(SloPolicy, "order_prefills", spy):
+    with mock.patch.object(SloPolicy, "rank", spy):
         served = simulate([(1e7, 10, 3)], config(), COST)
     assert served[0].ttft == pytest.approx(0.006 + 0.010 + 0.010)
-    assert seen[0] == 0.0 and len(seen) > 1
-    assert all(1e7 <= t <= 1e7 + 0.1 for t in seen[1:])
+    assert seen and all(1e7 <= t <= 1e7 + 0.1 for t in seen)
 
 
 def test_the_sweep_table_is_written(tmp_path: Path) -> None:

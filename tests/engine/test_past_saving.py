@@ -21,6 +21,7 @@ from tailserve.engine.policy import SloPolicy
 from tailserve.engine.request import Request, RequestTimings, SamplingParams, SloTarget
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import StepTimer
+from tailserve.engine.wait_model import QueueSnapshot, WaitModel
 
 BUDGET = 64  # tokens per step
 PER_TOKEN_S = 0.001  # the step-cost model: 1 ms per prompt token, 4 ms per decode-only step
@@ -38,6 +39,14 @@ def _scheduler(policy: str, ttft_s: float = 10.0) -> Scheduler:
     timer.record(_Plan(8, 0), 0.004)
     timer.record(_Plan(BUDGET, BUDGET), BUDGET * PER_TOKEN_S)
     return Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer)
+
+
+def _wait_s(
+    scheduler: Scheduler, tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
+) -> float:
+    """The wait model's prediction for a newcomer, as the engine builds it over this scheduler."""
+    model = WaitModel(scheduler.policy, scheduler.timer, scheduler.config.slo_ttft_s)
+    return model.estimate_s(tokens, snapshot, now, ttft_s)
 
 
 class _Run:
@@ -125,16 +134,16 @@ def test_admission_does_not_count_work_past_saving_ahead_of_a_newcomer() -> None
         run = _Run(scheduler)
         run.add("late", 3000, age_s=100.0)
         now = time.monotonic()
-        waits[policy] = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now)
+        waits[policy] = _wait_s(scheduler, 100, scheduler.queue_snapshot(now), now)
     assert waits["slo"] < 2.0 < waits["fcfs"]  # 3000 tokens = 3 s of prefill ahead under fcfs
     scheduler = _scheduler("slo", ttft_s=2.0)
     run = _Run(scheduler)
     run.add("urgent", 1200, age_s=0.5)  # 1.2 s of prefill, 1.5 s left: savable, and urgent
     now = time.monotonic()
-    wait = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now)
+    wait = _wait_s(scheduler, 100, scheduler.queue_snapshot(now), now)
     assert wait >= 1.2
     # A newcomer with its own looser target is admitted against that target, not --slo-ttft.
-    assert scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now, ttft_s=30.0) >= 1.2
+    assert _wait_s(scheduler, 100, scheduler.queue_snapshot(now), now, ttft_s=30.0) >= 1.2
 
 
 def test_batch_backlog_is_not_ahead_of_an_interactive_newcomer() -> None:
@@ -147,7 +156,7 @@ def test_batch_backlog_is_not_ahead_of_an_interactive_newcomer() -> None:
         for i in range(3):
             run.add(f"batch{i}", 1000, ttft_s=300.0)
         now = time.monotonic()
-        waits[policy] = scheduler.estimate_wait_s(100, scheduler.queue_snapshot(now), now, ttft_s=2.0)
+        waits[policy] = _wait_s(scheduler, 100, scheduler.queue_snapshot(now), now, ttft_s=2.0)
     assert waits["slo"] < 2.0 < waits["fcfs"]
 
 
@@ -160,8 +169,8 @@ def test_under_a_batch_backlog_a_batch_newcomer_is_refused_an_interactive_one_ad
         run.add(f"batch{i}", 2000, ttft_s=20.0)
     now = time.monotonic()
     snapshot = scheduler.queue_snapshot(now)
-    assert scheduler.estimate_wait_s(2000, snapshot, now, ttft_s=20.0) > 20.0
-    assert scheduler.estimate_wait_s(200, snapshot, now, ttft_s=2.0) < 2.0
+    assert _wait_s(scheduler, 2000, snapshot, now, ttft_s=20.0) > 20.0
+    assert _wait_s(scheduler, 200, snapshot, now, ttft_s=2.0) < 2.0
 
 
 def test_a_one_chunk_step_alternates_between_late_and_savable_work() -> None:
@@ -197,19 +206,19 @@ def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
     for req, _ in plan.scheduled:
         req.token_ids.append(1)  # each has its first output token
     step = 0.05  # the newcomer's own prefill: one step beside the decodes
-    wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
+    wait = _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now)
     assert wait == pytest.approx(59 * 0.05 + step)  # the 60-token one ends first: 59 steps left
     assert wait > config.slo_ttft_s  # admission would answer 429 rather than queue it for 3 s
     for _ in range(3):  # requests have been ending after ~10 tokens: expect these to end sooner too
         scheduler._output_tokens.record(10)
-    wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
+    wait = _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now)
     assert wait == pytest.approx(9 * 0.05 + step)
     for _ in range(30):  # steps now carry prompt chunks and take 150 ms: the running streams slow too
         timer.record(_Plan(40, 38), 0.15)
-    wait = scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now)
+    wait = _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now)
     assert wait > 9 * 0.14  # the slot frees at the steps' pace now, not at a decode-only step's
     scheduler.finish(scheduler.running[0], "abort")  # a slot is free: no wait at all
-    assert scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now) == 0.0
+    assert _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now) == 0.0
 
 
 def test_a_late_request_takes_the_next_free_slot_under_a_steady_stream() -> None:
@@ -254,6 +263,6 @@ def test_admission_counts_a_late_request_ahead_for_a_slot() -> None:
         if with_late:
             params = SamplingParams(max_tokens=1)
             scheduler.add(Request("late", [9] * 32, params, RequestTimings(arrival=now - 100.0), seq_no=5))
-        waits.append(scheduler.estimate_wait_s(10, scheduler.queue_snapshot(now), now))
+        waits.append(_wait_s(scheduler, 10, scheduler.queue_snapshot(now), now))
     assert waits[0] == pytest.approx(59 * 0.05 + 0.05)  # the 60-token stream ends first
     assert waits[1] == pytest.approx(99 * 0.05 + 0.05)  # the late one takes that slot: the next is in 99

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLMEngine, SamplingParams
-from tailserve.engine.policy import FcfsPolicy, SloPolicy
+from tailserve.engine.policy import FcfsPolicy, PrefillItem, SloPolicy, order_prefills
 from tailserve.engine.request import Request, RequestTimings
 from tailserve.engine.stats import StepTimer
+from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, tokens_ahead
 from tailserve.weights.loader import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -160,9 +161,11 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     assert tight.prefill_cap(fresh, budget=1000, now=now) == 250  # never below a quarter of the budget
     assert tight.prefill_cap(fresh, budget=40, now=now) == 16  # nor below one block
     # A newcomer waits for urgent and shorter prompts only, not for a long one with slack.
-    pending = [(1000, now + 10.0, 2.0), (30, now + 10.0, 2.0), (500, now + 0.06, 2.0)]
-    assert slo.tokens_ahead(pending, 50, 2.0, now) == 30 + 500
-    assert FcfsPolicy().tokens_ahead(pending, 50, 2.0, now) == 1530
+    pending = [PrefillItem(1000, now + 10.0, 2.0, 0), PrefillItem(30, now + 10.0, 2.0, 1)]
+    pending.append(PrefillItem(500, now + 0.06, 2.0, 2))
+    newcomer = PrefillItem(50, now + 2.0, 2.0, NEWCOMER_SEQ_NO)
+    assert tokens_ahead(slo, pending, newcomer, now) == 30 + 500
+    assert tokens_ahead(FcfsPolicy(), pending, newcomer, now) == 1530
 
 
 def test_step_timer_prices_prompt_tokens_beyond_the_decode_step() -> None:
@@ -218,7 +221,8 @@ def test_urgent_slack_turns_shortest_first_into_deadline_order() -> None:
     for slack in (0.25, 1.0):
         config = SchedulerConfig(policy="slo", slo_ttft_s=0.55, urgent_slack=slack)
         policy = SloPolicy(config, timer, block_size=16)
-        orders[slack] = [r.request_id for r in policy.order_prefills([long, short], now).savable]
-        ahead = policy.tokens_ahead([(375, now + 0.45, 0.55)], 40, 0.55, now)
+        orders[slack] = [r.request_id for r in order_prefills(policy, [long, short], now, 0.55).savable]
+        newcomer = PrefillItem(40, now + 0.55, 0.55, NEWCOMER_SEQ_NO)
+        ahead = tokens_ahead(policy, [PrefillItem(375, now + 0.45, 0.55, 0)], newcomer, now)
         assert ahead == (375 if slack == 1.0 else 0)
     assert orders == {0.25: ["short", "long"], 1.0: ["long", "short"]}

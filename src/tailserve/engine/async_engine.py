@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from tailserve.config import EngineConfig
 from tailserve.engine.llm_engine import LLMEngine
+from tailserve.engine.policy import PrefillItem
 from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, ttft_target_s
-from tailserve.engine.stats import EngineStats, QueueSnapshot
+from tailserve.engine.stats import EngineStats
+from tailserve.engine.wait_model import QueueSnapshot, unseen_item
 from tailserve.errors import TailserveError
 from tailserve.executor import warmup
 from tailserve.weights.loader import LoadedModel
@@ -71,9 +73,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
         self._queue = self.engine.queue_snapshot()
-        # Requests handed to generate() but not yet in a published snapshot: (prompt tokens, TTFT
-        # deadline, TTFT target).
-        self._unseen: dict[int, tuple[int, float, float]] = {}
+        # Requests handed to generate() but not yet in a published snapshot.
+        self._unseen: dict[int, PrefillItem] = {}
         self._applied: list[int] = []  # engine thread only: adds applied since the last publish
         self._add_seq = itertools.count()
         self._lock = threading.Lock()
@@ -119,7 +120,7 @@ class AsyncEngine:
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
-            self._unseen[item.seq] = (work, now + ttft_s, ttft_s)
+            self._unseen[item.seq] = unseen_item(work, now, ttft_s)
         self._inbox.put(item)
         return self._outputs(request_id, stream)
 

@@ -28,8 +28,9 @@ from tailserve.engine.request import (
     check_limits,
 )
 from tailserve.engine.scheduler import Scheduler, StepPlan
-from tailserve.engine.stats import EngineStats, QueueSnapshot, StepStats, step_kind
+from tailserve.engine.stats import EngineStats, StepStats, step_kind
 from tailserve.engine.structured import GrammarCache
+from tailserve.engine.wait_model import QueueSnapshot, WaitModel
 from tailserve.errors import InvalidRequestError
 from tailserve.executor import warmup
 from tailserve.executor.build import use_device
@@ -73,6 +74,7 @@ class LLMEngine:
         keys = BlockKeys.from_seed(cc.prefix_cache_seed)
         kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, keys)
         self.scheduler = Scheduler(config.scheduler, kv)
+        self.wait_model = WaitModel(self.scheduler.policy, self.scheduler.timer, config.scheduler.slo_ttft_s)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_plan: StepPlan | None = None  # for tests and debugging
         self.step_stats = StepStats(time.monotonic())
@@ -256,9 +258,9 @@ class LLMEngine:
     def estimate_wait_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None, ttft_s: float | None = None
     ) -> float:
-        """Predicted time to a new request's first token, `ttft_s` its own target (see `Scheduler.estimate_wait_s`)."""
+        """Predicted time to a new request's first token, `ttft_s` its own target (see `WaitModel.estimate_s`)."""
         snap = snapshot or self.queue_snapshot()
-        return self.scheduler.estimate_wait_s(num_prompt_tokens, snap, time.monotonic(), ttft_s)
+        return self.wait_model.estimate_s(num_prompt_tokens, snap, time.monotonic(), ttft_s)
 
 
 def _samples(req: Request, n: int) -> bool:

@@ -16,6 +16,10 @@ which running request gives its blocks back when the pool runs dry.
   `prefill_floor` of the step budget, so prefill always progresses. The preemption victim is a
   request still in prefill (no token streamed yet) with the least work done, else the decode with
   the fewest tokens to recompute.
+
+The prefill order is stated once, as `SchedulePolicy.rank` of a `PrefillItem`: the scheduler sorts
+its prompts by it (`order_prefills`) and the wait model (engine/wait_model.py) ranks a newcomer
+against the queue by it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,24 @@ from tailserve.config import SchedulerConfig
 from tailserve.engine.request import Request, tpot_target_s, ttft_target_s
 from tailserve.engine.stats import StepTimer
 
-Pending = tuple[int, float, float]  # a queued prompt: (tokens left, TTFT deadline, TTFT target)
+
+class PrefillItem(NamedTuple):
+    """A prompt as the prefill order sees it: one the scheduler holds, or a newcomer being priced."""
+
+    tokens: int  # prompt tokens left to compute (a waiting prompt's cached prefix costs nothing)
+    deadline: float  # its TTFT deadline: arrival + its target
+    ttft_s: float  # its TTFT target
+    seq_no: int  # arrival order
+    resumed: bool = False  # it streamed before a preemption: its TTFT is history
+
+
+class PrefillRank(NamedTuple):
+    """A prompt's place in the prefill order, smallest first: savable work, then work past saving."""
+
+    past_saving: bool
+    tier: int
+    key: float
+    seq_no: int
 
 
 class PrefillOrder(NamedTuple):
@@ -41,21 +62,30 @@ class PrefillOrder(NamedTuple):
 class SchedulePolicy(Protocol):
     name: str
 
-    def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder: ...
+    def rank(self, item: PrefillItem, now: float) -> PrefillRank: ...
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int: ...
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int: ...
 
-    def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool: ...
-
     def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
 
-    def tokens_ahead(
-        self, pending: Sequence[Pending], new_tokens: int, new_ttft_s: float, now: float
-    ) -> int: ...
 
-    def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int: ...
+def prefill_item(req: Request, slo_ttft_s: float) -> PrefillItem:
+    """A queued or prefilling request as the order sees it (`slo_ttft_s`: the target of one without its own)."""
+    ttft_s = ttft_target_s(req.params, slo_ttft_s)
+    resumed = req.timings.first_token is not None
+    return PrefillItem(req.prompt_work_tokens, req.timings.arrival + ttft_s, ttft_s, req.seq_no, resumed)
+
+
+def order_prefills(
+    policy: SchedulePolicy, candidates: Sequence[Request], now: float, slo_ttft_s: float
+) -> PrefillOrder:
+    """The prompts by the policy's rank: the savable ones, then those past saving."""
+    ranked = sorted(
+        ((policy.rank(prefill_item(r, slo_ttft_s), now), r) for r in candidates), key=lambda kr: kr[0]
+    )
+    return PrefillOrder([r for k, r in ranked if not k.past_saving], [r for k, r in ranked if k.past_saving])
 
 
 class FcfsPolicy:
@@ -63,8 +93,8 @@ class FcfsPolicy:
 
     name = "fcfs"
 
-    def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder:
-        return PrefillOrder(sorted(candidates, key=lambda r: r.seq_no), [])
+    def rank(self, item: PrefillItem, now: float) -> PrefillRank:
+        return PrefillRank(False, 0, 0.0, item.seq_no)  # arrival order only: no request is set aside
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         return budget
@@ -72,18 +102,8 @@ class FcfsPolicy:
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
         return 0
 
-    def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool:
-        return False  # arrival order only: no request is set aside
-
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return max(candidates, key=lambda r: r.seq_no)
-
-    def tokens_ahead(self, pending: Sequence[Pending], new_tokens: int, new_ttft_s: float, now: float) -> int:
-        """Every queued prompt token is ahead of a newcomer."""
-        return sum(tokens for tokens, _, _ in pending)
-
-    def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int:
-        return cap
 
 
 class SloPolicy:
@@ -115,32 +135,21 @@ class SloPolicy:
         # Urgent once the slack left beyond its own prefill time is under --urgent-slack x the target.
         return self._slack_s(remaining_tokens, deadline, now) < self.config.urgent_slack * ttft_s
 
-    def past_saving(self, remaining_tokens: int, deadline: float, now: float) -> bool:
-        """Its prefill, even at the full budget from now on, is predicted to end after its deadline."""
-        return self._slack_s(remaining_tokens, deadline, now) < 0
-
-    def order_prefills(self, candidates: Sequence[Request], now: float) -> PrefillOrder:
-        savable: list[tuple[tuple[int, float, int], Request]] = []
-        late: list[tuple[tuple[int, float, int], Request]] = []
-        for r in candidates:
-            ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
-            deadline = r.timings.arrival + ttft_s
-            remaining = r.prompt_work_tokens  # a waiting prompt's cached prefix costs nothing
-            if r.timings.first_token is not None:
-                # Resumed after a preemption: it streams already, so its TTFT is history and what
-                # matters is getting its stream going again, first.
-                savable.append(((0, deadline, r.seq_no), r))
-            elif self.past_saving(remaining, deadline, now):
-                late.append(((0, deadline, r.seq_no), r))  # most overdue first: bounded lateness
-            elif self._urgent(remaining, deadline, ttft_s, now):
-                savable.append(((0, deadline, r.seq_no), r))
-            else:
-                # Smith's rule with weight 1 / target: the least prompt x target first minimises the
-                # sum of TTFT / target; with equal targets it is shortest first.
-                savable.append(((1, remaining * ttft_s, r.seq_no), r))
-        savable.sort(key=lambda kr: kr[0])
-        late.sort(key=lambda kr: kr[0])
-        return PrefillOrder([r for _, r in savable], [r for _, r in late])
+    def rank(self, item: PrefillItem, now: float) -> PrefillRank:
+        tokens, deadline, ttft_s, seq_no, resumed = item
+        if resumed:
+            # Resumed after a preemption: it streams already, so its TTFT is history and what
+            # matters is getting its stream going again, first.
+            return PrefillRank(False, 0, deadline, seq_no)
+        if self._slack_s(tokens, deadline, now) < 0:
+            # Past saving: its prefill, even at the full budget from now on, is predicted to end
+            # after its deadline. Most overdue first: bounded lateness.
+            return PrefillRank(True, 0, deadline, seq_no)
+        if self._urgent(tokens, deadline, ttft_s, now):
+            return PrefillRank(False, 0, deadline, seq_no)
+        # Smith's rule with weight 1 / target: the least prompt x target first minimises the sum of
+        # TTFT / target; with equal targets it is shortest first.
+        return PrefillRank(False, 1, tokens * ttft_s, seq_no)
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
         """Prefill tokens of step `step_no` kept for requests past saving (when any wait).
@@ -196,25 +205,6 @@ class SloPolicy:
         return min(
             candidates, key=lambda r: (r.timings.first_token is not None, r.num_computed_tokens, -r.seq_no)
         )
-
-    def tokens_ahead(self, pending: Sequence[Pending], new_tokens: int, new_ttft_s: float, now: float) -> int:
-        """Queued tokens that would be prefilled before a newcomer: urgent ones and those with a smaller
-        prompt x target. Work past saving is not ahead: it only keeps its reserve
-        (`newcomer_tokens_per_step`)."""
-        return sum(
-            tokens
-            for tokens, deadline, ttft_s in pending
-            if not self.past_saving(tokens, deadline, now)
-            and (tokens * ttft_s <= new_tokens * new_ttft_s or self._urgent(tokens, deadline, ttft_s, now))
-        )
-
-    def newcomer_tokens_per_step(self, pending: Sequence[Pending], cap: int, now: float) -> int:
-        """Prefill tokens per step left to savable work: the cap, less the reserve while work past saving waits."""
-        if any(self.past_saving(tokens, deadline, now) for tokens, deadline, _ in pending):
-            if cap < 2 * self.min_chunk:  # one chunk a step, every other step the newcomers'
-                return max(cap // 2, 1)
-            return max(cap - self.past_saving_reserve(cap), 1)
-        return cap
 
 
 def make_policy(

@@ -6,7 +6,8 @@ keeps a reserve of the budget and the next free sequence slot). When blocks run 
 the policy's victim is preempted by recompute and requeued ahead of newer arrivals. It reads no clock
 (the caller hands `now` in) and owns no cache: the engine builds the block manager and the runner holds
 the pool's tensors; the scheduler decides which blocks a request holds (allocates, commits after the
-step in `postprocess`, frees).
+step in `postprocess`, frees). It plans and never predicts: wait predictions are
+engine/wait_model.py's, from the `queue_snapshot` it hands over.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
-from tailserve.engine.policy import SchedulePolicy, make_policy
-from tailserve.engine.request import Request, RequestStatus, ttft_target_s
-from tailserve.engine.stats import EngineStats, Ewma, QueueSnapshot, StepTimer
+from tailserve.engine.policy import SchedulePolicy, make_policy, order_prefills, prefill_item
+from tailserve.engine.request import Request, RequestStatus
+from tailserve.engine.stats import EngineStats, Ewma, StepTimer
+from tailserve.engine.wait_model import QueueSnapshot
 from tailserve.errors import ContextLengthExceededError
 
 
@@ -94,7 +96,7 @@ class Scheduler:
         plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
         left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
-        order = self.policy.order_prefills(candidates, now)
+        order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
         # A late request still waiting for a sequence slot has the next free one: savable newcomers
@@ -236,7 +238,7 @@ class Scheduler:
         if reason in ("stop", "length") and req.num_output_tokens > 0:
             self._output_tokens.record(req.num_output_tokens)
 
-    # ----- limits, pool state and wait estimates -------------------------------------------------
+    # ----- limits, pool state and what the wait model reads ------------------------------------
     def stats(self) -> EngineStats:
         """Queue, pool and prefix-cache counters as one snapshot."""
         kv = self.kv
@@ -267,10 +269,7 @@ class Scheduler:
         prefilling = [*self.waiting, *(r for r in self.running if not r.is_decoding)]
         decoding = [r for r in self.running if r.is_decoding]
         budget = self.config.max_num_batched_tokens
-        pending = []
-        for r in prefilling:
-            ttft_s = ttft_target_s(r.params, self.config.slo_ttft_s)
-            pending.append((r.prompt_work_tokens, r.timings.arrival + ttft_s, ttft_s))
+        pending = [prefill_item(r, self.config.slo_ttft_s) for r in prefilling]
         running_prefills = sum(1 for r in self.running if not r.is_decoding)
         return QueueSnapshot(
             pending=pending,
@@ -289,41 +288,3 @@ class Scheduler:
         if typical is None:
             return left
         return min(left, max(math.ceil(typical) - req.num_output_tokens, 1))
-
-    def _slot_wait_s(self, snapshot: QueueSnapshot, queued_ahead: int) -> float:
-        """Seconds until a sequence slot is free for a newcomer behind `queued_ahead` queued requests:
-        0 while the batch has room; else until enough running requests end, at the recent step time."""
-        steps = snapshot.slots_free_steps
-        need = snapshot.num_running + queued_ahead + 1 - snapshot.max_num_seqs
-        if snapshot.max_num_seqs <= 0 or need <= 0 or not steps:
-            return 0.0
-        rounds = math.ceil(need / len(steps))  # more slots wanted than run now: the batch turns over
-        return rounds * steps[min(need, len(steps)) - 1] * self.timer.recent_step_s()
-
-    def estimate_wait_s(
-        self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
-    ) -> float:
-        """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
-        plus its own. Zero when nothing is ahead: an idle server never refuses. `ttft_s` is the
-        newcomer's own TTFT target (default --slo-ttft); work past saving is not counted ahead."""
-        target = self.config.slo_ttft_s if ttft_s is None else ttft_s
-        pending, policy = snapshot.pending, self.policy
-        ahead = policy.tokens_ahead(pending, num_prompt_tokens, target, now)
-        per_step = policy.newcomer_tokens_per_step(pending, snapshot.prefill_cap, now)
-        prefill_s = 0.0
-        if ahead:
-            prefill_s = self.timer.estimate_s(ahead + num_prompt_tokens, snapshot.num_running, per_step)
-        if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
-            return prefill_s  # room in the batch for everyone queued and the newcomer
-        # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
-        # slot is theirs).
-        queued = sum(
-            1
-            for p in pending
-            if policy.past_saving(p[0], p[1], now) or policy.tokens_ahead([p], num_prompt_tokens, target, now)
-        )
-        slot_s = self._slot_wait_s(snapshot, max(queued - snapshot.running_prefills, 0))
-        if slot_s == 0.0:
-            return prefill_s
-        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step)
-        return max(prefill_s, slot_s + own_s)

@@ -213,21 +213,6 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-@dataclass(frozen=True)
-class QueueSnapshot:
-    """Prompt work not yet done, for wait predictions: (tokens left, TTFT deadline, TTFT target) per request."""
-
-    pending: list[tuple[int, float, float]]
-    num_running: int
-    prefill_cap: int
-    # Sequence slots: a newcomer also waits for one once the batch is full (max_num_seqs). Of
-    # `pending`, `running_prefills` already hold a slot; `slots_free_steps` is, per running request,
-    # the decode steps until it is expected to end, ascending; max_num_seqs 0: no slot limit known.
-    running_prefills: int = 0
-    slots_free_steps: tuple[int, ...] = ()
-    max_num_seqs: int = 0
-
-
 class Ewma:
     """An exponentially weighted mean of recent values (None until the first)."""
 

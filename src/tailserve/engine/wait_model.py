@@ -1,0 +1,110 @@
+"""The wait model: how long a newcomer would wait for its first token, for admission control.
+
+It reads the planner's rules and never restates them: a newcomer goes behind the queued prompts the
+policy's `rank` puts ahead of it (the order the scheduler sorts by), at the rate the policy's
+past-saving reserve leaves. It only prices a `QueueSnapshot`: it never changes a queue or a cache.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tailserve.engine.policy import PrefillItem, PrefillRank
+from tailserve.engine.stats import StepTimer
+
+NEWCOMER_SEQ_NO = sys.maxsize  # a newcomer arrives after everyone queued: it loses every tie
+UNSEEN_SEQ_NO = (
+    NEWCOMER_SEQ_NO - 1
+)  # handed to the engine, not yet queued: behind the queue, ahead of a newcomer
+
+
+class PlanRules(Protocol):
+    """The planner's rules the wait model reads (a `SchedulePolicy` has them)."""
+
+    def rank(self, item: PrefillItem, now: float) -> PrefillRank: ...
+
+    def past_saving_reserve(self, left: int, step_no: int = 1) -> int: ...
+
+
+@dataclass(frozen=True)
+class QueueSnapshot:
+    """Prompt work not yet done, taken between steps: what a wait prediction reads."""
+
+    pending: list[PrefillItem]
+    num_running: int
+    prefill_cap: int
+    # Sequence slots: a newcomer also waits for one once the batch is full (max_num_seqs). Of
+    # `pending`, `running_prefills` already hold a slot; `slots_free_steps` is, per running request,
+    # the decode steps until it is expected to end, ascending; max_num_seqs 0: no slot limit known.
+    running_prefills: int = 0
+    slots_free_steps: tuple[int, ...] = ()
+    max_num_seqs: int = 0
+
+
+def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
+    """A request handed to the engine that no step has queued yet (counted ahead of later newcomers)."""
+    return PrefillItem(tokens, arrival + ttft_s, ttft_s, UNSEEN_SEQ_NO)
+
+
+def tokens_ahead(rules: PlanRules, pending: Sequence[PrefillItem], newcomer: PrefillItem, now: float) -> int:
+    """Queued prompt tokens the planner would prefill before `newcomer`: those it ranks ahead. Work
+    past saving is never ahead: it only keeps its reserve (`savable_tokens_per_step`)."""
+    mine = rules.rank(newcomer, now)
+    return sum(p.tokens for p in pending if (r := rules.rank(p, now)) < mine and not r.past_saving)
+
+
+def savable_tokens_per_step(rules: PlanRules, cap: int) -> int:
+    """Prefill tokens a step leaves savable work while work past saving waits: the cap less the
+    reserve, over two steps (a step with room for one chunk alternates between the two)."""
+    return max(sum(cap - rules.past_saving_reserve(cap, step_no) for step_no in (1, 2)) // 2, 1)
+
+
+class WaitModel:
+    """Predicts a newcomer's time to first token from a queue snapshot and the recent step times."""
+
+    def __init__(self, rules: PlanRules, timer: StepTimer, slo_ttft_s: float) -> None:
+        self.rules = rules
+        self.timer = timer
+        self.slo_ttft_s = slo_ttft_s
+
+    def estimate_s(
+        self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
+    ) -> float:
+        """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
+        plus its own. Zero when nothing is ahead: an idle server never refuses. `ttft_s` is the
+        newcomer's own TTFT target (default --slo-ttft); work past saving is not counted ahead."""
+        target = self.slo_ttft_s if ttft_s is None else ttft_s
+        pending, rules = snapshot.pending, self.rules
+        newcomer = PrefillItem(num_prompt_tokens, now + target, target, NEWCOMER_SEQ_NO)
+        ahead = tokens_ahead(rules, pending, newcomer, now)
+        mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
+        per_step = snapshot.prefill_cap
+        if any(r.past_saving for r in ranks):
+            per_step = savable_tokens_per_step(rules, per_step)
+        prefill_s = 0.0
+        if ahead:
+            prefill_s = self.timer.estimate_s(ahead + num_prompt_tokens, snapshot.num_running, per_step)
+        if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
+            return prefill_s  # room in the batch for everyone queued and the newcomer
+        # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
+        # slot is theirs).
+        queued = sum(1 for r in ranks if r < mine or r.past_saving)
+        slot_s = self._slot_wait_s(snapshot, max(queued - snapshot.running_prefills, 0))
+        if slot_s == 0.0:
+            return prefill_s
+        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step)
+        return max(prefill_s, slot_s + own_s)
+
+    def _slot_wait_s(self, snapshot: QueueSnapshot, queued_ahead: int) -> float:
+        """Seconds until a sequence slot is free for a newcomer behind `queued_ahead` queued requests:
+        0 while the batch has room; else until enough running requests end, at the recent step time."""
+        steps = snapshot.slots_free_steps
+        need = snapshot.num_running + queued_ahead + 1 - snapshot.max_num_seqs
+        if snapshot.max_num_seqs <= 0 or need <= 0 or not steps:
+            return 0.0
+        rounds = math.ceil(need / len(steps))  # more slots wanted than run now: the batch turns over
+        return rounds * steps[min(need, len(steps)) - 1] * self.timer.recent_step_s()
