@@ -40,7 +40,7 @@ def _reference(llm: LLM, prompt: list[int]) -> torch.Tensor:
     kv = engine.scheduler.kv
     assert kv.allocate("reference", len(prompt))
     try:
-        chunk = SeqChunk(prompt, 0, kv.block_table("reference"), False, SamplingSpec())
+        chunk = SeqChunk(prompt, 0, kv.block_table("reference"), False, SamplingSpec(temperature=0.0))
         return torch.log_softmax(engine.runner.logits_for([chunk]).float(), dim=-1)
     finally:
         kv.free("reference")

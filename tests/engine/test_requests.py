@@ -254,7 +254,7 @@ def test_first_token_logprobs_equal_log_softmax_of_teacher_forced_logits(llm: LL
     kv = engine.scheduler.kv
     assert kv.allocate("reference", len(prompt))  # blocks of our own: no cached prefix is overwritten
     try:
-        chunk = SeqChunk(prompt, 0, kv.block_table("reference"), True, SamplingSpec())
+        chunk = SeqChunk(prompt, 0, kv.block_table("reference"), True, SamplingSpec(temperature=0.0))
         reference = torch.log_softmax(engine.runner.logits_for([chunk])[-1].float(), dim=-1)
     finally:
         kv.free("reference")

@@ -36,7 +36,9 @@ TABLES = [[3, 9, 4, 1], [7, 2, 11], [5, 0, 8]]  # scattered blocks; block 0 in u
 
 
 def _prefill(runners: list[ModelRunner]) -> Sequence[int | None]:
-    chunks = [SeqChunk(p, 0, t, True, SamplingSpec()) for p, t in zip(PROMPTS, TABLES, strict=True)]
+    chunks = [
+        SeqChunk(p, 0, t, True, SamplingSpec(temperature=0.0)) for p, t in zip(PROMPTS, TABLES, strict=True)
+    ]
     outs = [r.execute(chunks).tokens for r in runners]
     assert all(o == outs[0] for o in outs)
     return outs[0]
@@ -44,7 +46,7 @@ def _prefill(runners: list[ModelRunner]) -> Sequence[int | None]:
 
 def _decodes(seqs: list[list[int]]) -> list[SeqChunk]:
     return [
-        SeqChunk([s[-1]], len(s) - 1, t, True, SamplingSpec(), decode=True)
+        SeqChunk([s[-1]], len(s) - 1, t, True, SamplingSpec(temperature=0.0), decode=True)
         for s, t in zip(seqs, TABLES, strict=True)
     ]
 
@@ -81,7 +83,7 @@ def test_batches_it_cannot_replay_run_eagerly(tiny: LoadedModel) -> None:
     chunks = _decodes(seqs)
     assert not graphs.can_run(chunks)
     assert graphs.execute(chunks) == eager.execute(chunks)
-    mixed = [chunks[0], SeqChunk([1, 2, 3], 0, [6], True, SamplingSpec())]
+    mixed = [chunks[0], SeqChunk([1, 2, 3], 0, [6], True, SamplingSpec(temperature=0.0))]
     assert not graphs.can_run(mixed)
     with pytest.raises(ValueError):
         graphs.decode_logits(mixed)
@@ -111,8 +113,8 @@ def test_the_switch_decides_which_path_a_decode_step_takes(tiny: LoadedModel) ->
 def test_the_runner_refuses_a_batch_with_decodes_after_prompts(tiny: LoadedModel) -> None:
     runner = _runner(tiny)
     _prefill([runner])
-    decode = SeqChunk([7], 13, TABLES[0], True, SamplingSpec(), decode=True)
-    prompt = SeqChunk([1, 2, 3], 0, [6], True, SamplingSpec())
+    decode = SeqChunk([7], 13, TABLES[0], True, SamplingSpec(temperature=0.0), decode=True)
+    prompt = SeqChunk([1, 2, 3], 0, [6], True, SamplingSpec(temperature=0.0))
     with pytest.raises(ValueError, match="before prompt chunks"):
         runner.execute([prompt, decode])
 

@@ -55,7 +55,7 @@ def _llm(model: str, size: int, weight_format: str = "fp32", loaded: LoadedModel
 
 
 def _chunk(ids: list[int], start: int, table: list[int], decode: bool = False) -> SeqChunk:
-    return SeqChunk(ids, start, table, sample=True, sampling=SamplingSpec(), decode=decode)
+    return SeqChunk(ids, start, table, sample=True, sampling=SamplingSpec(temperature=0.0), decode=decode)
 
 
 def _scenario(runner: ModelRunner, vocab: int) -> list[torch.Tensor]:

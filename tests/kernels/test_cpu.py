@@ -306,7 +306,7 @@ def test_fused_forward_matches_the_torch_path_on_the_real_model(lib: ctypes.CDLL
     noise, the same greedy token on (nearly) every row."""
     fused, plain = _runner(smol, True), _runner(smol, False)
     prompt = smol.tokenizer.encode("The river Tiber runs through the city of Rome, and its bridges")
-    greedy = SamplingSpec()
+    greedy = SamplingSpec(temperature=0.0)
     steps = [
         [SeqChunk(prompt[:10], 0, [0, 1], True, greedy)],  # prefill from scratch
         [SeqChunk(prompt[10:], 10, [0, 1], True, greedy)],  # a chunk over its cached prefix
@@ -411,7 +411,7 @@ def test_the_fused_forward_is_the_same_at_two_threads(
     """The real model, a prompt and a mixed step: the logits at 2 threads equal those at 1 exactly."""
     runner = _runner(smol, True)
     prompt = smol.tokenizer.encode("The river Tiber runs through the city of Rome, and its bridges")
-    greedy = SamplingSpec()
+    greedy = SamplingSpec(temperature=0.0)
     steps = [
         [SeqChunk(prompt, 0, [0, 1], True, greedy), SeqChunk(prompt[:7], 0, [2], True, greedy)],
         [

@@ -47,7 +47,7 @@ def test_paged_batch_logits_match_reference(smol: LoadedModel, hf_reference: tor
     bs = 16
     kv = KVCacheManager(num_blocks=64, block_size=bs)
     runner = ModelRunner(model, 64, bs, torch.device("cpu"))
-    spec = SamplingSpec()
+    spec = SamplingSpec(temperature=0.0)
 
     def chunk(i: int, ids: list[int], start: int, end: int, decode: bool = False) -> SeqChunk:
         assert kv.allocate(str(i), end)

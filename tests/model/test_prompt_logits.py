@@ -25,8 +25,8 @@ def _runner(smol: LoadedModel, weight_format: str, dtype: torch.dtype, fused: bo
 
 def _reference(runner: ModelRunner, prompt: list[int], split: int) -> torch.Tensor:
     """log_softmax of teacher-forced logits of the prompt in the same two chunks, on blocks of its own."""
-    chunks = [SeqChunk(prompt[:split], 0, [40, 41], False, SamplingSpec())]
-    chunks.append(SeqChunk(prompt[split:], split, [40, 41], False, SamplingSpec()))
+    chunks = [SeqChunk(prompt[:split], 0, [40, 41], False, SamplingSpec(temperature=0.0))]
+    chunks.append(SeqChunk(prompt[split:], split, [40, 41], False, SamplingSpec(temperature=0.0)))
     logits = torch.cat([runner.logits_for([c]) for c in chunks])
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -49,13 +49,19 @@ def test_prompt_rows_are_scored_against_the_next_prompt_token(
     prompt = smol.tokenizer.encode(PROMPT)
     p = len(prompt)
     other = smol.tokenizer.encode("Once upon a time")
-    greedy = SamplingSpec()
+    greedy = SamplingSpec(temperature=0.0)
     # Another sequence's prompt, then its decode, share the steps with the scored chunks.
     runner.execute([SeqChunk(other, 0, [10], True, greedy)])
     first = SeqChunk(prompt[:10], 0, [0, 1], False, greedy, prompt_targets=prompt[1:11], prompt_top=3)
     first_result = runner.execute([SeqChunk([other[0]], len(other), [10], True, greedy, decode=True), first])
     rest = SeqChunk(
-        prompt[10:], 10, [0, 1], True, SamplingSpec(logprobs=2), prompt_targets=prompt[11:], prompt_top=3
+        prompt[10:],
+        10,
+        [0, 1],
+        True,
+        SamplingSpec(temperature=0.0, logprobs=2),
+        prompt_targets=prompt[11:],
+        prompt_top=3,
     )
     plain = SeqChunk(other, 0, [11], True, greedy)
     result = runner.execute([rest, plain])

@@ -62,7 +62,7 @@ def test_draws_follow_the_reference_distribution(name: str) -> None:
 
 def _mixed_specs(seed: int) -> list[SamplingSpec]:
     out = []
-    for i, base in enumerate([*SPECS.values(), SamplingSpec()]):
+    for i, base in enumerate([*SPECS.values(), SamplingSpec(temperature=0.0)]):
         out.append(
             SamplingSpec(
                 base.temperature,
@@ -73,7 +73,7 @@ def _mixed_specs(seed: int) -> list[SamplingSpec]:
                 presence_penalty=0.5 if i % 2 else 0.0,
                 frequency_penalty=0.3 if i % 3 == 0 else 0.0,
                 repetition_penalty=1.3 if i % 2 == 0 else 1.0,
-                logit_bias={3: 5.0, 11: -2.0} if i % 3 == 1 else None,
+                logit_bias=((3, 5.0), (11, -2.0)) if i % 3 == 1 else (),
                 token_ids=[1, 2, 3, 3, 9, 9, 9, 50 + i],
                 num_prompt_tokens=3,
             )
@@ -125,7 +125,7 @@ def test_penalties_match_a_dense_reference() -> None:
         token_ids=ids,
         num_prompt_tokens=3,
     )
-    got = adjust_logits(logits, [SamplingSpec(), spec])
+    got = adjust_logits(logits, [SamplingSpec(temperature=0.0), spec])
     assert torch.equal(got[0], logits[0])  # the row without penalties is untouched
     want = logits[1].clone()
     for t in set(ids):
@@ -140,8 +140,8 @@ def test_logit_bias_and_banned_tokens() -> None:
     logits = _logits(3)
     best = int(logits[0].argmax())
     specs = [
-        SamplingSpec(logit_bias={best: -100.0}),
-        SamplingSpec(logit_bias={5: 100.0}),
+        SamplingSpec(temperature=0.0, logit_bias=((best, -100.0),)),
+        SamplingSpec(temperature=0.0, logit_bias=((5, 100.0),)),
         SamplingSpec(
             1.0, generator=torch.Generator().manual_seed(0), banned_token_ids=[int(logits[2].argmax())]
         ),
@@ -170,11 +170,11 @@ def test_logprobs_come_from_the_logits_before_any_adjustment() -> None:
     logits = _logits(3)
     raw = torch.log_softmax(logits, dim=-1)
     specs = [
-        SamplingSpec(logprobs=3, repetition_penalty=2.0, token_ids=[1, 2, 3]),
+        SamplingSpec(temperature=0.0, logprobs=3, repetition_penalty=2.0, token_ids=[1, 2, 3]),
         SamplingSpec(
-            0.5, top_k=4, generator=torch.Generator().manual_seed(1), logprobs=0, logit_bias={9: 50.0}
+            0.5, top_k=4, generator=torch.Generator().manual_seed(1), logprobs=0, logit_bias=((9, 50.0),)
         ),
-        SamplingSpec(),
+        SamplingSpec(temperature=0.0),
     ]
     tokens, (first, second, third) = sample(logits, specs)
     assert first is not None and second is not None and third is None
@@ -199,7 +199,10 @@ def test_grammar_bitmasks_ban_exactly_the_unset_tokens(kernels: str, monkeypatch
         masks = torch.randint(-(2**31), 2**31 - 1, (5, words_per_row), dtype=torch.int32, generator=g)
         masks[1, 2:5] = -1  # whole words allowed
         masks[3, :4] = 0  # whole words banned
-        specs = [SamplingSpec(token_bitmask=masks[i]) if i in (1, 3, 4) else SamplingSpec() for i in range(5)]
+        specs = [
+            SamplingSpec(token_bitmask=masks[i]) if i in (1, 3, 4) else SamplingSpec(temperature=0.0)
+            for i in range(5)
+        ]
         out = adjust_logits(logits, specs)
         for i in range(5):
             bits = [(int(masks[i, t // 32]) >> (t % 32)) & 1 if t < 288 else 0 for t in range(vocab)]

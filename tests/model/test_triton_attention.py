@@ -212,7 +212,7 @@ def test_runner_logits_match_torch_backend() -> None:
     ]
     prompts = [list(range(3, 22)), list(range(40, 48)), list(range(100, 103))]
     tables = [[0, 1, 2, 3], [4, 5], [6, 7]]
-    spec = SamplingSpec()
+    spec = SamplingSpec(temperature=0.0)
 
     def step(chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         # One-token chunks over a cached context are the step's decodes; they go first.
@@ -251,7 +251,7 @@ def test_static_graph_metadata_matches_torch_backend() -> None:
     graphs = DecodeGraphRunner(wrapped, batch_sizes=(4,), max_context=128)
     prompts = [list(range(3, 20)), list(range(40, 47)), list(range(90, 98))]
     tables = [[5, 1, 9], [2, 7], [12, 3]]
-    spec = SamplingSpec()
+    spec = SamplingSpec(temperature=0.0)
     prefill = [SeqChunk(p, 0, t, True, spec) for p, t in zip(prompts, tables, strict=True)]
     assert eager.execute(prefill) == wrapped.execute(prefill)
     decodes = [

@@ -37,7 +37,7 @@ def teacher_forced_many(llm: LLM, seqs: list[list[int]], per_step: int = 32) -> 
             chunks = []
             for name, ids in zip(names, batch, strict=True):
                 assert kv.allocate(name, len(ids))  # blocks of its own: nothing cached is overwritten
-                chunks.append(SeqChunk(ids, 0, kv.block_table(name), False, SamplingSpec()))
+                chunks.append(SeqChunk(ids, 0, kv.block_table(name), False, SamplingSpec(temperature=0.0)))
             logits = torch.log_softmax(llm.engine.runner.logits_for(chunks).float(), dim=-1)
         finally:
             for name in names:

@@ -11,13 +11,14 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from tailserve.config import EngineConfig
 from tailserve.engine.block_keys import BlockKeys
 from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.chunks import record_prompt_logprobs, samples_next, seq_chunk
 from tailserve.engine.outputs import OutputProcessor
 from tailserve.engine.request import (
     Request,
@@ -35,8 +36,6 @@ from tailserve.errors import InvalidRequestError
 from tailserve.executor import warmup
 from tailserve.executor.build import use_device
 from tailserve.executor.builder import build_runner
-from tailserve.executor.runner import SeqChunk
-from tailserve.model.sampler import SamplingSpec, TokenScore
 from tailserve.quality.gate import choose_weight_format
 from tailserve.weights.loader import LoadedModel
 from tailserve.weights.tokenizer import IncrementalDetokenizer
@@ -155,7 +154,7 @@ class LLMEngine:
             return []
         masks = self._grammar_masks(plan)
         chunks = [
-            _chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids, masks.get(i))
+            seq_chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids, masks.get(i))
             for i, ((req, n), table) in enumerate(zip(plan.scheduled, plan.block_tables, strict=True))
         ]
         start = time.monotonic()
@@ -163,7 +162,7 @@ class LLMEngine:
         now = time.monotonic()
         for (req, _), chunk, scores in zip(plan.scheduled, chunks, result.prompt_scores, strict=True):
             if scores is not None:
-                _record_prompt_logprobs(req, chunk, scores)
+                record_prompt_logprobs(req, chunk, scores)
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
         for req, _ in plan.scheduled:
@@ -205,7 +204,7 @@ class LLMEngine:
         """The allowed-token bitmask of each request that samples under a grammar this step, by its
         place in the plan (one tensor for all)."""
         rows = [
-            i for i, (req, n) in enumerate(plan.scheduled) if req.grammar is not None and _samples(req, n)
+            i for i, (req, n) in enumerate(plan.scheduled) if req.grammar is not None and samples_next(req, n)
         ]
         if not rows:
             return {}
@@ -261,65 +260,3 @@ class LLMEngine:
         """Predicted time to a new request's first token, `ttft_s` its own target (see `WaitModel.estimate_s`)."""
         snap = snapshot or self.queue_snapshot()
         return self.wait_model.estimate_s(num_prompt_tokens, snap, time.monotonic(), ttft_s)
-
-
-def _samples(req: Request, n: int) -> bool:
-    """Running n more tokens reaches the request's last known token: the step samples its next one."""
-    return req.num_computed_tokens + n == len(req.token_ids)
-
-
-def _chunk(
-    req: Request,
-    n: int,
-    block_table: list[int],
-    decode: bool,
-    eos_ids: Iterable[int],
-    bitmask: torch.Tensor | None,
-) -> SeqChunk:
-    c = req.num_computed_tokens
-    # Scoring the prompt: each row up to the second-to-last prompt token predicts the next prompt token.
-    targets = req.token_ids[c + 1 : min(c + n, req.num_prompt_tokens - 1) + 1] if req.scores_prompt else []
-    return SeqChunk(
-        token_ids=req.token_ids[c : c + n],
-        start_pos=c,
-        block_table=block_table,
-        sample=_samples(req, n),
-        sampling=_sampling_spec(req, eos_ids, bitmask),
-        decode=decode,
-        prompt_targets=targets,
-        prompt_top=req.params.prompt_logprobs or 0,
-    )
-
-
-def _record_prompt_logprobs(req: Request, chunk: SeqChunk, scores: list[TokenScore]) -> None:
-    """Entry i scores prompt token i + 1; a chunk recomputed after preemption overwrites its own."""
-    c = chunk.start_pos
-    if c > len(req.prompt_logprobs):
-        return
-    scored = zip(chunk.prompt_targets, scores, strict=True)
-    req.prompt_logprobs[c:] = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in scored]
-
-
-def _sampling_spec(req: Request, eos_ids: Iterable[int], bitmask: torch.Tensor | None) -> SamplingSpec:
-    """The sampler's view of a request this step; end and stop tokens are banned until min_tokens
-    (not under a grammar: once it is complete its end token may be the only one left)."""
-    p = req.params
-    banned: tuple[int, ...] = ()
-    if req.num_output_tokens < p.min_tokens and req.grammar is None:
-        banned = p.stop_token_ids + (() if p.ignore_eos else tuple(eos_ids))
-    return SamplingSpec(
-        p.temperature,
-        p.top_p,
-        p.top_k,
-        req.generator,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        logit_bias=dict(p.logit_bias) if p.logit_bias else None,
-        banned_token_ids=banned,
-        token_ids=req.token_ids,
-        num_prompt_tokens=req.num_prompt_tokens,
-        logprobs=p.logprobs,
-        token_bitmask=bitmask,
-    )

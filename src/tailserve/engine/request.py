@@ -74,7 +74,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit) pairs, each token once
     min_tokens: int = 0  # end token, stop tokens and stop strings are held off until this many tokens
     logprobs: int | None = None  # None: none; k in 0..20: each output token's logprob and the k most likely
     # k in 0..20: every prompt token after the first gets its logprob and the k most likely (echo in
@@ -148,6 +148,8 @@ class SamplingParams:
             "logit_bias maps token ids to biases in [-100, 100]",
             "logit_bias",
         )
+        # Each token once (a repeated id keeps its last bias): the sampler adds every pair it is given.
+        object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
         _check(
             isinstance(self.min_tokens, int)
             and not isinstance(self.min_tokens, bool)

@@ -7,7 +7,7 @@ row, then an inverse-CDF pick), so the same seed gives the same tokens whatever 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +20,10 @@ from tailserve.kernels import cpu as cpu_kernels
 class SamplingSpec:
     """The per-row sampling settings the model runner needs (no stop logic: that is the engine's).
 
+    The engine builds it from a request's SamplingParams (`engine.chunks.sampling_spec`): the
+    settings both have carry the same names and defaults (so a bare spec samples at temperature 1,
+    as a bare SamplingParams does; greedy callers say temperature=0.0). `logit_bias` holds (token id,
+    added logit) pairs, each token once.
     `token_ids` is the sequence so far (prompt then output; the first `num_prompt_tokens` are the
     prompt): presence and frequency penalties count the output, the repetition penalty both.
     `banned_token_ids` get -inf this step (the engine bans end tokens until `min_tokens`).
@@ -28,7 +32,7 @@ class SamplingSpec:
     any truncation).
     """
 
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     generator: torch.Generator | None = None
@@ -36,7 +40,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: Mapping[int, float] | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()
     banned_token_ids: Sequence[int] = ()
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
@@ -123,10 +127,10 @@ def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec]) -> torch.
     flat = out.view(-1)
     if pen:
         _penalise(flat, vocab, pen, specs)
-    rows = [i for i in bias for _ in (specs[i].logit_bias or {})]
+    rows = [i for i in bias for _ in specs[i].logit_bias]
     if rows:
-        cols = [t for i in bias for t in (specs[i].logit_bias or {})]
-        vals = [b for i in bias for b in (specs[i].logit_bias or {}).values()]
+        cols = [t for i in bias for t, _ in specs[i].logit_bias]
+        vals = [b for i in bias for _, b in specs[i].logit_bias]
         idx = torch.tensor(rows, device=out.device) * vocab + torch.tensor(cols, device=out.device)
         flat.index_add_(0, idx, torch.tensor(vals, dtype=out.dtype, device=out.device))
     banned = [i * vocab + t for i in bias for t in specs[i].banned_token_ids]

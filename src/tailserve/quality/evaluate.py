@@ -136,7 +136,7 @@ def trace_model(
 def _teacher_forced(
     runner: ModelRunner, windows: list[list[int]], tables: list[list[int]], plan: EvalPlan, trace: ModelTrace
 ) -> None:
-    spec = SamplingSpec()
+    spec = SamplingSpec(temperature=0.0)
     n = len(windows)
     dev = runner.device
     targets = torch.tensor(windows, dtype=torch.long, device=dev)[:, 1:]  # [windows, window_tokens]
@@ -180,7 +180,7 @@ def _greedy(
     runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]], num_tokens: int
 ) -> list[list[int]]:
     """Greedy continuations through `execute`: one prompt chunk each, then decode steps of all of them."""
-    spec = SamplingSpec()
+    spec = SamplingSpec(temperature=0.0)
     first = runner.execute([SeqChunk(p, 0, tables[i], True, spec) for i, p in enumerate(prompts)])
     outs = [[int(t)] for t in first.tokens if t is not None]
     for step in range(1, num_tokens):
