@@ -24,6 +24,7 @@ def test_every_spec_setting_comes_from_the_params_under_its_name_and_default() -
     spec_fields = {f.name: f for f in dataclasses.fields(SamplingSpec)}
     params_fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
     assert set(spec_fields) == set(PARAMS_FIELDS) | ENGINE_FIELDS
+    assert list(spec_fields)[: len(PARAMS_FIELDS)] == list(PARAMS_FIELDS)  # they go in by position
     assert {"temperature", "top_p", "top_k", "logit_bias", "logprobs"} <= set(PARAMS_FIELDS)
     for name in PARAMS_FIELDS:
         assert spec_fields[name].default == params_fields[name].default, name

@@ -48,7 +48,11 @@ def test_draws_follow_the_reference_distribution(name: str) -> None:
     logits = _logits(1).expand(n, VOCAB).contiguous()
     specs = [
         SamplingSpec(
-            base.temperature, base.top_p, base.top_k, torch.Generator().manual_seed(i), min_p=base.min_p
+            base.temperature,
+            base.top_p,
+            base.top_k,
+            generator=torch.Generator().manual_seed(i),
+            min_p=base.min_p,
         )
         for i in range(n)
     ]
@@ -68,7 +72,7 @@ def _mixed_specs(seed: int) -> list[SamplingSpec]:
                 base.temperature,
                 base.top_p,
                 base.top_k,
-                torch.Generator().manual_seed(seed + i),
+                generator=torch.Generator().manual_seed(seed + i),
                 min_p=base.min_p,
                 presence_penalty=0.5 if i % 2 else 0.0,
                 frequency_penalty=0.3 if i % 3 == 0 else 0.0,

@@ -8,7 +8,7 @@ row, then an inverse-CDF pick), so the same seed gives the same tokens whatever 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple
 
 import torch
@@ -35,16 +35,18 @@ class SamplingSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    generator: torch.Generator | None = None
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Sequence[tuple[int, float]] = ()
+    logprobs: int | None = None
+    # The engine's own, by keyword, after the settings SamplingParams has (those go in by position).
+    _: KW_ONLY
+    generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
-    logprobs: int | None = None
     # Structured outputs: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 set where token t is
     # allowed (the engine's grammar matcher fills it); every other token gets -inf.
     token_bitmask: torch.Tensor | None = None
