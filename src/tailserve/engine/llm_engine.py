@@ -203,13 +203,14 @@ class LLMEngine:
     def _grammar_masks(self, plan: StepPlan) -> dict[int, torch.Tensor]:
         """The allowed-token bitmask of each request that samples under a grammar this step, by its
         place in the plan (one tensor for all)."""
-        rows = [
-            i for i, (req, n) in enumerate(plan.scheduled) if req.grammar is not None and samples_next(req, n)
-        ]
-        if not rows:
+        grammars = {
+            i: g
+            for i, (req, n) in enumerate(plan.scheduled)
+            if (g := req.grammar) is not None and samples_next(req, n)
+        }
+        if not grammars:
             return {}
-        masks = self.grammars.bitmask([plan.scheduled[i][0].grammar for i in rows])
-        return {i: masks[j] for j, i in enumerate(rows)}
+        return dict(zip(grammars, self.grammars.bitmask(list(grammars.values())), strict=True))
 
     def _finish_prompt_only(self, req: Request, now: float) -> RequestOutput:
         """max_tokens=0: the prompt is computed (and scored); the sampled token is dropped."""

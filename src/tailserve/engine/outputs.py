@@ -29,6 +29,7 @@ class OutputProcessor:
         is_eos = token in self.tokenizer.eos_token_ids and not p.ignore_eos
         if may_stop and (is_eos or token in p.stop_token_ids):
             return "stop"
+        assert req.detokenizer is not None, "the engine gives every request a detokenizer"
         req.text += req.detokenizer.add(token)
         if may_stop and p.stop and _cut_at_stop(req):
             return "stop"

@@ -8,9 +8,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
+from tailserve.weights.tokenizer import IncrementalDetokenizer
 
 MAX_CACHE_SALT_CHARS = 256  # a tenant id or a random token fits; the salt is hashed with each first block
 
@@ -229,6 +232,15 @@ def _check(ok: bool, message: str, param: str) -> None:
         raise InvalidRequestError(message, param=param)
 
 
+class TokenGrammar(Protocol):
+    """A request's place in its structured-output grammar (engine.structured.GrammarMatcher)."""
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def accept(self, token_id: int) -> bool: ...
+    @property
+    def terminated(self) -> bool: ...
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
@@ -334,12 +346,12 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    generator: Any = None  # torch.Generator for seeded sampling
-    detokenizer: Any = None
+    generator: torch.Generator | None = None  # its own, for seeded sampling (the engine gives each one)
+    detokenizer: IncrementalDetokenizer | None = None  # the engine gives each request one
     text: str = ""  # decoded output so far (stop strings already cut)
     emitted_chars: int = 0  # how much of `text` callers have been given
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked
-    grammar: Any = None  # engine.structured.GrammarMatcher when params.grammar is set
+    grammar: TokenGrammar | None = None  # when params.grammar is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # entry i: prompt token i + 1
     # Prompt tokens the prefix cache held when it was queued: wait estimates leave them out while it
     # waits (a waiting request has matched nothing yet; once running, num_computed_tokens counts them).

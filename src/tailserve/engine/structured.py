@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tailserve.engine.request import GrammarSpec
+from tailserve.engine.request import GrammarSpec, TokenGrammar
 from tailserve.errors import InvalidRequestError
 from tailserve.weights.tokenizer import ByteTokenizer, Tokenizer
 
@@ -104,7 +104,7 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def bitmask(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+    def bitmask(self, matchers: Sequence[TokenGrammar]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: row j holds matcher j's allowed next tokens."""
         words = (self._vocab_size + 31) // 32
         mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
