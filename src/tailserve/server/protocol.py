@@ -165,9 +165,11 @@ def fan_out(
     request_id: str,
     stream: bool,
     include_usage: bool,
+    echo_texts: list[str] | None = None,
 ) -> list[EngineInput]:
     """n engine requests per prompt, choice index = prompt x n + j; the j > 0 fork the j = 0 one's
-    prompt KV (engine request ids are `{request_id}-{index}`) and seed + j when a seed is given."""
+    prompt KV (engine request ids are `{request_id}-{index}`) and seed + j when a seed is given.
+    `echo_texts`: each prompt's text, put before its choices' completions."""
     out = []
     for k, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         for j in range(n):
@@ -176,7 +178,8 @@ def fan_out(
                 seed = seed + j if seed + j <= SEED_RANGE[1] else seed - j
             fork_of = f"{request_id}-{k * n}" if j else None
             one = dataclasses.replace(p, seed=seed, fork_of=fork_of)
-            out.append(EngineInput(ids, one, stream, include_usage, shares_prompt=j > 0))
+            echo = echo_texts[k] if echo_texts is not None else None
+            out.append(EngineInput(ids, one, stream, include_usage, shares_prompt=j > 0, echo_text=echo))
     return out
 
 

@@ -218,13 +218,6 @@ def text_chunk(
     return body
 
 
-def final_chunks(
-    job: Job, out: RequestOutput, logprobs: dict[str, Any] | None = None, tools: ToolCallStream | None = None
-) -> list[dict[str, Any]]:
-    """The finish-reason chunk, then the usage chunk when asked; the last one carries the timings."""
-    return _with_usage(job, choice_chunks(job, out, logprobs, 0, tools), [out])
-
-
 def choice_chunks(
     job: Job,
     out: RequestOutput,
@@ -264,9 +257,15 @@ def _with_usage(
     return chunks
 
 
-def usage_chunks(
-    job: Job, outs: Sequence[RequestOutput], prompt_counted: Sequence[bool] | None = None
+def stream_end(
+    job: Job,
+    last: list[dict[str, Any]],
+    outs: Sequence[RequestOutput],
+    prompt_counted: Sequence[bool] | None = None,
 ) -> list[dict[str, Any]]:
-    """After every choice of a stream of several finished: the usage chunk if asked (timings on it),
-    else an empty-choices chunk with the timings."""
-    return _with_usage(job, [] if job.include_usage else [_chunk(job, [])], outs, prompt_counted)
+    """The stream's last chunks: the last choice's (`last`, its finish reason among them), then the
+    usage chunk when asked; the timings go on the final chunk, which for several choices is the usage
+    chunk or an empty-choices chunk of its own."""
+    if len(outs) > 1 and not job.include_usage:
+        last = [*last, _chunk(job, [])]
+    return _with_usage(job, last, outs, prompt_counted)

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tailserve.engine.request import GrammarSpec, SamplingParams
+from tailserve.engine.request import GrammarSpec, SamplingParams, SloTarget
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.generation_defaults import GenerationDefaults
 from tailserve.server.protocol import (
@@ -31,11 +31,14 @@ def sampling_params(
     max_model_len: int,
     max_tokens_default: int,
     defaults: GenerationDefaults | None = None,
+    slo: SloTarget | None = None,
+    cache_salt: str | None = None,
 ) -> SamplingParams:
     """OpenAI sampling fields -> SamplingParams; the error's param names the field the client sent.
 
     A field left out takes the model's generation default, then OpenAI's; a missing max_tokens is
-    capped at `max_tokens_default` (and at the context left), so no request runs unbounded."""
+    capped at `max_tokens_default` (and at the context left), so no request runs unbounded. `slo` and
+    `cache_salt` (else the body's) are the server's choices for the request (its class, its key)."""
     reject_unsupported(req)
     model = defaults or GenerationDefaults()
     max_param, max_tokens = "max_tokens", req.max_tokens
@@ -90,7 +93,8 @@ def sampling_params(
             logprobs=_logprobs(req),
             grammar=grammar,
             prompt_logprobs=_prompt_logprobs(req, max_tokens),
-            cache_salt=req.cache_salt,
+            slo=slo,
+            cache_salt=cache_salt if cache_salt is not None else req.cache_salt,
         )
     except InvalidRequestError as exc:
         if exc.param == "max_tokens":

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -46,14 +48,13 @@ from tailserve.server.responses import (
     Kind,
     add_echo,
     choice_chunks,
-    final_chunks,
     full_response,
     logprobs_json,
     prompt_logprobs_json,
     role_chunk,
+    stream_end,
     text_chunk,
     usage,
-    usage_chunks,
 )
 from tailserve.server.sampling_args import sampling_params
 from tailserve.server.slo_classes import SloClasses
@@ -88,15 +89,14 @@ class Serving:
         """The whole request; typed errors propagate to the app's single error mapping."""
         self._admission.check_available()
         api_key = bearer_token(request.headers.get("authorization"))
-        job, inputs = self.prepare(kind, await request.body(), api_key)
-        for spec in dict.fromkeys(i.params.grammar for i in inputs if i.params.grammar is not None):
+        prepared = self.prepare(kind, await request.body(), api_key)
+        grammars = (i.params.grammar for i in prepared.inputs if i.params.grammar is not None)
+        for spec in dict.fromkeys(grammars):
             await self._engine.prepare_grammar(spec)  # on a worker thread; a bad one is a 400 here
-        if len(inputs) > 1:
-            return await self.respond_many(job, inputs, request.receive)
-        return await self.respond(job, inputs[0], request.receive)
+        return await self.respond(prepared, request.receive)
 
-    def prepare(self, kind: Kind, body: bytes, api_key: str | None = None) -> tuple[Job, list[EngineInput]]:
-        """Body -> validated engine inputs (one per prompt of a list); raises before anything is queued.
+    def prepare(self, kind: Kind, body: bytes, api_key: str | None = None) -> Prepared:
+        """Body -> validated engine inputs (one per choice); raises before anything is queued.
         `api_key` (the caller's bearer token) may pick the request's SLO class and its cache_salt."""
         data = parse_json(body)
         tokenizer = self._engine.tokenizer
@@ -109,106 +109,80 @@ class Serving:
             req = validate_body(ChatCompletionRequest, data)
             self._check_model(req.model)
             prompts = [chat_prompt_ids(req, tokenizer)]
-        # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
-        limit, default = self._engine.max_model_len, self._max_tokens_default
-        all_params = [sampling_params(req, len(ids), limit, default, self._defaults) for ids in prompts]
         slo_body = req.slo.model_dump() if req.slo is not None else None
         slo = self._slo_classes.for_request(api_key, req.model, req.priority, slo_body)
         salt = req.cache_salt
         if self._cache_salt_from_api_key and api_key is not None:
             salt = api_key_cache_salt(api_key, salt)
-        all_params = [dataclasses.replace(p, slo=slo, cache_salt=salt) for p in all_params]
-        params = all_params[0]
+        # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
+        limit, default = self._engine.max_model_len, self._max_tokens_default
+        all_params = [
+            sampling_params(req, len(ids), limit, default, self._defaults, slo=slo, cache_salt=salt)
+            for ids in prompts
+        ]
+        shows_logprobs = all_params[0].logprobs is not None
+        n = choices_per_prompt(req)
+        per_prompt = candidates_per_prompt(req, n)  # best_of
+        best_of = (n, per_prompt) if per_prompt > n else None
+        if best_of is not None:  # candidates are ranked by cumulative logprob, so each one computes it
+            all_params = [_with_logprobs(p) for p in all_params]
         options = req.stream_options
         include_usage = options is not None and options.include_usage
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        job = Job(
-            f"{prefix}-{uuid.uuid4().hex}",
+        request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        echo = (
+            echo_texts(req, prompts, tokenizer) if isinstance(req, CompletionRequest) and req.echo else None
+        )
+        inputs = fan_out(prompts, all_params, per_prompt, request_id, req.stream, include_usage, echo)
+        job = functools.partial(
+            Job,
+            request_id,
             kind,
             self._engine.model_name,
             int(time.time()),
             include_usage,
             continuous_usage=include_usage and options is not None and options.continuous_usage_stats,
-            token_text=(lambda t: tokenizer.decode([t])) if params.logprobs is not None else None,
+            token_text=(lambda t: tokenizer.decode([t])) if shows_logprobs else None,
             tool_calls=parses_tool_calls(req),
             max_tool_calls=1
             if isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False
             else None,
+            best_of=best_of,
         )
-        n = choices_per_prompt(req)
-        per_prompt = candidates_per_prompt(req, n)  # best_of
-        inputs = fan_out(prompts, all_params, per_prompt, job.request_id, req.stream, include_usage)
-        if isinstance(req, CompletionRequest) and req.echo:
-            texts = echo_texts(req, prompts, tokenizer)
-            inputs = [dataclasses.replace(x, echo_text=texts[i // per_prompt]) for i, x in enumerate(inputs)]
-        if per_prompt > n:  # candidates are ranked by cumulative logprob, so each one computes it
-            job = dataclasses.replace(job, best_of=(n, per_prompt))
-            inputs = [dataclasses.replace(x, params=_with_logprobs(x.params)) for x in inputs]
-        return job, inputs
+        return Prepared(request_id, inputs, job)
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.model_name:
             raise ModelNotFoundError(model, self._engine.model_name)
 
-    async def respond(self, job: Job, inp: EngineInput, receive: Receive) -> Response:
-        """Admit, wait for the first output (errors still become a proper status), then answer."""
-        work = self._engine.prompt_work_tokens(inp.prompt_token_ids, inp.params)
-        ticket = self._admission.admit(work, inp.params.slo)
-        job = dataclasses.replace(job, admission_estimate_s=ticket.estimate_s)
-        run = _Run(job.request_id, self._engine, self._metrics, ticket, inp.params.slo)
-        run.gen = self._engine.generate(job.request_id, inp.prompt_token_ids, inp.params)
-        final: RequestOutput | None = None
-        handed_over = False
-        closing = self._admission.drain.closing
-        try:
-            first = await until_disconnect(anext(run.gen), receive, closing)
-            if first is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            ticket.started()
-            if inp.stream:
-                handed_over = True  # from here the event stream owns the run and closes it
-                events = self._events(job, first, run, inp.echo_text, inp.prompt_token_ids)
-                return SSEResponse(events, on_close=run.close, closing=closing)
-            final = await until_disconnect(_last_output(first, run.gen), receive, closing)
-            if final is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(_body(job, [inp], [final]))
-        finally:
-            if not handed_over:
-                await run.close(final)
-
-    async def respond_many(self, job: Job, inputs: list[EngineInput], receive: Receive) -> Response:
-        """A list of prompts: one engine request each, all queued at once; one choice each, in order."""
+    async def respond(self, prepared: Prepared, receive: Receive) -> Response:
+        """Admit every choice and queue it, wait for all first outputs (errors still become a proper
+        status), then answer: a stream of events, or one body once every choice has finished."""
+        inputs = prepared.inputs
         closing = self._admission.drain.closing
         runs: list[_Run] = []
         handed_over = False
         finals: list[RequestOutput] | None = None
         try:
             for i, inp in enumerate(inputs):
-                run = _Run(
-                    f"{job.request_id}-{i}",
-                    self._engine,
-                    self._metrics,
-                    self._admission.admit(
-                        self._engine.prompt_work_tokens(inp.prompt_token_ids, inp.params), inp.params.slo
-                    ),
-                    inp.params.slo,
-                )
+                # One engine request per choice, named after the HTTP request (`-index` when several).
+                rid = prepared.request_id if len(inputs) == 1 else f"{prepared.request_id}-{i}"
+                work = self._engine.prompt_work_tokens(inp.prompt_token_ids, inp.params)
+                ticket = self._admission.admit(work, inp.params.slo)
+                run = _Run(rid, self._engine, self._metrics, ticket, inp.params.slo)
                 runs.append(run)
-                run.gen = self._engine.generate(run.request_id, inp.prompt_token_ids, inp.params)
-            job = dataclasses.replace(job, admission_estimate_s=runs[0].ticket.estimate_s)
+                run.gen = self._engine.generate(rid, inp.prompt_token_ids, inp.params)
+            job = prepared.job(admission_estimate_s=runs[0].ticket.estimate_s)
             firsts = await until_disconnect(_all([anext(r.gen) for r in runs]), receive, closing)
             if firsts is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            for run in runs:
-                run.ticket.started(teach=False)  # awaited together: no first token of its own time
+            for run in runs:  # awaited together, several first outputs have no time of their own
+                run.ticket.started(teach=len(runs) == 1)
             if inputs[0].stream:
-                handed_over = True
-                counted = [not i.shares_prompt for i in inputs]
-                events = self._events_many(job, firsts, runs, counted, inputs)
+                handed_over = True  # from here the event stream owns the runs and closes them
+                events = self._events(job, firsts, runs, inputs)
                 return SSEResponse(events, on_close=_close_all(runs), closing=closing)
-            work = _all([_last_output(f, r.gen) for f, r in zip(firsts, runs, strict=True)])
-            finals = await until_disconnect(work, receive, closing)
+            work_left = _all([_last_output(f, r.gen) for f, r in zip(firsts, runs, strict=True)])
+            finals = await until_disconnect(work_left, receive, closing)
             if finals is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             return JSONResponse(_body(job, inputs, finals))
@@ -217,111 +191,61 @@ class Serving:
                 for i, run in enumerate(runs):
                     await run.close(finals[i] if finals is not None else None)
 
-    async def _events_many(
-        self,
-        job: Job,
-        firsts: list[RequestOutput],
-        runs: list[_Run],
-        prompt_counted: list[bool],
-        inputs: list[EngineInput],
+    async def _events(
+        self, job: Job, firsts: list[RequestOutput], runs: list[_Run], inputs: list[EngineInput]
     ) -> AsyncGenerator[bytes, None]:
-        """SSE events of several choices as they come, each chunk naming its choice's index."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
-
-        async def pump(i: int, out: RequestOutput) -> None:
-            await queue.put((i, out))
-            try:
-                while not out.finished:
-                    out = await anext(runs[i].gen)
-                    await queue.put((i, out))
-            except Exception as exc:  # handed to the event loop below, which ends the stream with it
-                await queue.put((i, exc))
-
-        tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(firsts)]
-        tools = [
-            ToolCallStream(job.max_tool_calls) if job.tool_calls else None for _ in runs
-        ]  # a parser per choice
+        """SSE events from the first outputs to [DONE], each chunk naming its choice's index; an
+        engine error mid-stream becomes an error event. With echo, a choice's first chunk is its
+        prompt (and the prompt's logprobs when asked)."""
+        tools = [ToolCallStream(job.max_tool_calls) if job.tool_calls else None for _ in runs]
         finals: list[RequestOutput | None] = [None] * len(runs)
-        # Per choice, as in _events: logprobs of tokens whose text is held back, and the next text_offset.
+        # Per choice: logprobs of tokens whose text is still held back, and the next text_offset.
         pending: list[list[TokenLogprob]] = [[] for _ in runs]
         offsets = [0] * len(runs)
+        outputs = _merged([r.gen for r in runs], firsts)
         try:
+            if job.kind == "chat" and len(runs) == 1:
+                yield sse_event(role_chunk(job))
             for i, (inp, first) in enumerate(zip(inputs, firsts, strict=True)):
                 if inp.echo_text is not None:
                     lps = prompt_logprobs_json(job, inp.prompt_token_ids, first.prompt_logprobs)
                     yield sse_event(text_chunk(job, inp.echo_text, None, None, lps, i))
                     offsets[i] = len(inp.echo_text)
-            while any(f is None for f in finals):
-                i, out = await queue.get()
-                if isinstance(out, Exception):
-                    raise out
+            async for i, out in outputs:
                 pending[i] += out.new_logprobs
                 if out.finished:
                     finals[i] = out
-                if out.finished or out.new_text:
-                    lps = logprobs_json(job, pending[i], offsets[i])
-                    offsets[i] += sum(len(t) for t in (lps or {}).get("tokens", []))
-                    pending[i] = []
-                    for chunk in choice_chunks(job, out, lps, i, tools[i]):
-                        yield sse_event(chunk)
-            for chunk in usage_chunks(job, [f for f in finals if f is not None], prompt_counted):
-                yield sse_event(chunk)
-            yield SSE_DONE
-        except Exception as exc:
-            http = to_http(exc)
-            self._metrics.errors.labels(status=str(http.status)).inc()
-            yield sse_event(http.body)
-            yield SSE_DONE
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for run, final in zip(runs, finals, strict=True):
-                await run.close(final)
-
-    async def _events(
-        self,
-        job: Job,
-        first: RequestOutput,
-        run: _Run,
-        echo_text: str | None = None,
-        prompt_ids: list[int] | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        """SSE events from the first output to [DONE]; an engine error mid-stream becomes an error event.
-        With `echo_text`, the first chunk is the prompt (and its logprobs when asked)."""
-        out: RequestOutput | None = first
-        pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
-        offset = 0  # legacy completions' text_offset of the next token
-        tools = ToolCallStream(job.max_tool_calls) if job.tool_calls else None
-        try:
-            if job.kind == "chat":
-                yield sse_event(role_chunk(job))
-            if echo_text is not None:
-                lps = prompt_logprobs_json(job, prompt_ids or [], first.prompt_logprobs)
-                yield sse_event(text_chunk(job, echo_text, None, None, lps))
-                offset = len(echo_text)
-            while out is not None and not out.finished:
-                pending += out.new_logprobs
-                if out.new_text:
-                    lps = logprobs_json(job, pending, offset)
-                    offset += sum(len(t) for t in (lps or {}).get("tokens", []))
-                    pending = []
-                    for chunk in choice_chunks(job, out, lps, 0, tools):
-                        yield sse_event(chunk)
-                out = await anext(run.gen)
-            if out is not None:
-                lps = logprobs_json(job, pending + out.new_logprobs, offset)
-                for chunk in final_chunks(job, out, lps, tools):
+                if not (out.finished or out.new_text):
+                    continue
+                lps = logprobs_json(job, pending[i], offsets[i])
+                offsets[i] += sum(len(t) for t in (lps or {}).get("tokens", []))
+                pending[i] = []
+                chunks = choice_chunks(job, out, lps, i, tools[i])
+                if all(f is not None for f in finals):
+                    done = [f for f in finals if f is not None]
+                    chunks = stream_end(job, chunks, done, [not x.shares_prompt for x in inputs])
+                for chunk in chunks:
                     yield sse_event(chunk)
             yield SSE_DONE
         except Exception as exc:
-            out = None
             http = to_http(exc)
             self._metrics.errors.labels(status=str(http.status)).inc()
             yield sse_event(http.body)
             yield SSE_DONE
         finally:
-            await run.close(out)
+            await outputs.aclose()
+            for run, final in zip(runs, finals, strict=True):
+                await run.close(final)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request before admission: its engine inputs (one per choice, in choice order) and
+    its Job, built once admission has priced the first choice (`job(admission_estimate_s=...)`)."""
+
+    request_id: str
+    inputs: list[EngineInput]
+    job: Callable[..., Job]
 
 
 class _Run:
@@ -426,3 +350,41 @@ async def _last_output(first: RequestOutput, gen: AsyncIterator[RequestOutput]) 
     while not out.finished:
         out = await anext(gen)
     return out
+
+
+async def _merged(
+    gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(choice index, output) from every generator as they come, starting with the first outputs,
+    until each has finished; a generator's error is raised here. One generator is read directly."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    if len(gens) == 1:
+        out = firsts[0]
+        while not out.finished:
+            out = await anext(gens[0])
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+    async def pump(i: int, out: RequestOutput) -> None:
+        try:
+            while not out.finished:
+                out = await anext(gens[i])
+                await queue.put((i, out))
+        except Exception as exc:  # handed to the reader below, which raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, f)) for i, f in enumerate(firsts)]
+    unfinished = sum(not f.finished for f in firsts)
+    try:
+        while unfinished:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            unfinished -= item.finished
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
