@@ -159,16 +159,21 @@ def test_wait_estimate_prices_only_the_prompt_tokens_the_prefix_cache_lacks(smol
         params = SamplingParams(max_tokens=4)
         follow_up = history + list(range(400, 420))  # 220 tokens, the first 192 cached
         unrelated = list(range(600, 820))  # 220 tokens, none cached
-        assert engine.prompt_work_tokens(follow_up, params) == 220 - 192
-        assert engine.prompt_work_tokens(unrelated, params) == 220
+        work = engine.engine.prompt_work_tokens
+        assert work(follow_up, params) == 220 - 192
+        assert work(unrelated, params) == 220
         # Prompt logprobs cannot come from the cache: such a request computes its whole prompt.
-        assert engine.prompt_work_tokens(follow_up, SamplingParams(max_tokens=4, prompt_logprobs=0)) == 220
+        assert work(follow_up, SamplingParams(max_tokens=4, prompt_logprobs=0)) == 220
         # Something ahead (the step loop is not started), then each kind queued: the follow-up adds
         # far less predicted wait for the next newcomer than the unrelated prompt does.
         streams = [engine.generate("ahead", list(range(900, 964)), params)]
         newcomer = 64
         before = engine.estimate_wait_s(newcomer)
-        streams.append(engine.generate("follow-up", follow_up, params))
+        # submit prices it once, for admission and for the queue alike (the admit here admits all).
+        admitted = engine.submit("follow-up", follow_up, params, lambda quote: quote)
+        assert admitted.ticket.work_tokens == 220 - 192
+        assert admitted.ticket.predicted_wait_s > 0  # "ahead" is queued before it
+        streams.append(admitted.stream)
         after_follow_up = engine.estimate_wait_s(newcomer)
         streams.append(engine.generate("unrelated", unrelated, params))
         after_unrelated = engine.estimate_wait_s(newcomer)

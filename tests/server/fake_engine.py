@@ -12,12 +12,16 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from tailserve.config import EngineConfig, SchedulerConfig
-from tailserve.engine.request import RequestOutput, RequestTimings, SamplingParams
+from tailserve.engine.quote import Admitted, WaitQuote
+from tailserve.engine.request import RequestOutput, RequestTimings, SamplingParams, ttft_target_s
 from tailserve.engine.stats import EngineStats
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
+
+T = TypeVar("T")
 
 VOCAB_SIZE = 256
 
@@ -115,13 +119,24 @@ class FakeEngine:
             steps_total=0,
         )
 
-    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        return len(prompt_token_ids)  # no prefix cache
-
-    def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
+    def estimate_wait_s(self) -> float:
         if self.wait_estimate_s is not None:
             return self.wait_estimate_s
         return len(self.waiting) * self.step_s
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        admit: Callable[[WaitQuote], T],
+    ) -> Admitted[T]:
+        """Priced by the whole prompt (no prefix cache), admitted, then queued as generate does."""
+        if self.explode_on is not None and self.explode_on in self.tokenizer.decode(prompt_token_ids):
+            raise RuntimeError("scripted bug")  # an unexpected error inside the engine call
+        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
+        ticket = admit(WaitQuote(len(prompt_token_ids), ttft_s, self.estimate_wait_s()))
+        return Admitted(ticket, self.generate(request_id, prompt_token_ids, params))
 
     def _reply_bytes(self, params: SamplingParams) -> bytes:
         shift = (params.seed or 0) % len(self.reply)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tailserve.config import SchedulerConfig
+from tailserve.engine.quote import WaitQuote
 from tailserve.errors import RequestRejectedError
 from tailserve.server.admission import Admission, WaitCorrection
 from tailserve.server.config import ServerConfig
@@ -33,10 +34,15 @@ def admission_over(engine: FakeEngine, clock: Clock, enabled: bool = True) -> Ad
     return admission
 
 
-def teach(admission: Admission, clock: Clock, n: int, actual_s: float) -> None:
+def quote(engine: FakeEngine) -> WaitQuote:
+    """The price of a 10-token prompt under the tests' 1 s TTFT target."""
+    return WaitQuote(10, engine.config.scheduler.slo_ttft_s, engine.estimate_wait_s())
+
+
+def teach(admission: Admission, engine: FakeEngine, clock: Clock, n: int, actual_s: float) -> None:
     """n admitted requests whose first token came `actual_s` after admission."""
     for _ in range(n):
-        ticket = admission.admit(10)
+        ticket = admission.admit(quote(engine))
         clock.now += actual_s
         ticket.started()
         ticket.done()
@@ -73,22 +79,21 @@ def test_admission_refuses_on_the_corrected_prediction_and_reports_it() -> None:
     clock = Clock()
     engine = FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=1.0), wait_estimate_s=0.4)
     admission = admission_over(engine, clock)
-    teach(admission, clock, WaitCorrection.MIN_SAMPLES, actual_s=1.2)  # three times the prediction
+    teach(admission, engine, clock, WaitCorrection.MIN_SAMPLES, actual_s=1.2)  # three times the prediction
     assert admission.correction.factor() == pytest.approx(3.0)
     with pytest.raises(RequestRejectedError) as refused:
-        admission.admit(10)  # 0.4 s raw, 1.2 s corrected: over the 1 s target
+        admission.admit(quote(engine))  # 0.4 s raw, 1.2 s corrected: over the 1 s target
     assert "0.40s x the learned correction" in str(refused.value)
     assert refused.value.retry_after_s == pytest.approx(0.2)
     engine.wait_estimate_s = 0.3
-    ticket = admission.admit(10)  # 0.9 s corrected: admitted, and that is its reported estimate
+    ticket = admission.admit(quote(engine))  # 0.9 s corrected: admitted, and that is its reported estimate
     assert ticket.estimate_s == pytest.approx(0.9)
     ticket.done()
     # The same history on an admission told not to correct: the raw 0.4 s is admitted.
-    raw = admission_over(
-        FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=1.0), wait_estimate_s=0.4), clock, False
-    )
-    teach(raw, clock, WaitCorrection.MIN_SAMPLES, actual_s=1.2)
-    assert raw.admit(10).estimate_s == pytest.approx(0.4)
+    raw_engine = FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=1.0), wait_estimate_s=0.4)
+    raw = admission_over(raw_engine, clock, False)
+    teach(raw, raw_engine, clock, WaitCorrection.MIN_SAMPLES, actual_s=1.2)
+    assert raw.admit(quote(raw_engine)).estimate_s == pytest.approx(0.4)
 
 
 def test_abandoned_and_unpriced_requests_teach_nothing() -> None:
@@ -96,13 +101,13 @@ def test_abandoned_and_unpriced_requests_teach_nothing() -> None:
     engine = FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=1.0), wait_estimate_s=0.4)
     admission = admission_over(engine, clock)
     for _ in range(2 * WaitCorrection.MIN_SAMPLES):
-        ticket = admission.admit(10)
+        ticket = admission.admit(quote(engine))
         clock.now += 5.0
         ticket.done()  # the client went away before a first token: its wait is not a TTFT
     engine.wait_estimate_s = 0.1  # under a quarter of the target
-    teach(admission, clock, 2 * WaitCorrection.MIN_SAMPLES, actual_s=5.0)
+    teach(admission, engine, clock, 2 * WaitCorrection.MIN_SAMPLES, actual_s=5.0)
     for _ in range(2 * WaitCorrection.MIN_SAMPLES):
-        ticket = admission.admit(10)
+        ticket = admission.admit(quote(engine))
         clock.now += 5.0
         ticket.started(teach=False)  # awaited with other prompts' first tokens
         ticket.done()

@@ -14,12 +14,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tailserve.config import EngineConfig
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.policy import PrefillItem
+from tailserve.engine.quote import Admitted, WaitQuote
 from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, ttft_target_s
 from tailserve.engine.stats import EngineStats
 from tailserve.engine.wait_model import QueueSnapshot, unseen_item
@@ -28,6 +30,7 @@ from tailserve.executor import warmup
 from tailserve.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -101,6 +104,21 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
 
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        admit: Callable[[WaitQuote], T],
+    ) -> Admitted[T]:
+        """Price the request once (its prompt work, TTFT target and predicted wait), let `admit`
+        decide on that price (it raises to refuse, and then nothing is queued), and queue it with
+        the same price: the server's one call per request."""
+        work = self.engine.prompt_work_tokens(prompt_token_ids, params)
+        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
+        ticket = admit(WaitQuote(work, ttft_s, self.estimate_wait_s(work, ttft_s)))
+        return Admitted(ticket, self._enqueue(request_id, prompt_token_ids, params, work, ttft_s))
+
     def generate(
         self,
         request_id: str,
@@ -108,19 +126,31 @@ class AsyncEngine:
         params: SamplingParams,
         arrival: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue the request now (wait estimates count it from this call) and return its outputs:
-        a RequestOutput per step that advanced it, the last with finished=True. A request the engine
-        refuses raises its typed error on the first iteration. Iterate it, or abort the id."""
+        """Queue the request now, unpriced by any admission (wait estimates count it from this call),
+        and return its outputs: a RequestOutput per step that advanced it, the last with
+        finished=True. A request the engine refuses raises its typed error on the first iteration.
+        Iterate it, or abort the id."""
+        work = self.engine.prompt_work_tokens(prompt_token_ids, params)
+        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
+        return self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, arrival)
+
+    def _enqueue(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        work_tokens: int,
+        ttft_s: float,
+        arrival: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         now = arrival or time.monotonic()
         item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, next(self._add_seq))
-        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
-        work = self.prompt_work_tokens(item.prompt_token_ids, params)
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
-            self._unseen[item.seq] = unseen_item(work, now, ttft_s)
+            self._unseen[item.seq] = unseen_item(work_tokens, now, ttft_s)
         self._inbox.put(item)
         return self._outputs(request_id, stream)
 
@@ -148,11 +178,6 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
-
-    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Prompt tokens a new request would compute before its first output (the prompt less the
-        prefix cached now): what admission prices it by. Any thread (read-only dict lookups)."""
-        return self.engine.prompt_work_tokens(prompt_token_ids, params)
 
     def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
         """Predicted queue wait plus prefill for a new request whose TTFT target is `ttft_s` (None:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from tailserve.engine.request import SloTarget
+from tailserve.engine.quote import WaitQuote
 from tailserve.errors import RequestRejectedError
 from tailserve.http.drain import Drain
 from tailserve.http.errors import ServiceUnavailableError
@@ -135,16 +135,14 @@ class Admission:
         if not self.ready:
             raise ServiceUnavailableError("not_ready")
 
-    def admit(self, num_prompt_tokens: int, slo: SloTarget | None = None) -> Ticket:
+    def admit(self, quote: WaitQuote) -> Ticket:
         """A ticket, or RequestRejectedError (429) when the queue is full or the request's own TTFT
-        target (`slo`, else --slo-ttft) would break. `num_prompt_tokens`: the prompt tokens it would
-        compute (Engine.prompt_work_tokens: a cached prefix costs nothing)."""
+        target would break. `quote`: the engine's price of the request (Engine.submit), whose
+        predicted wait counts every request handed to the engine, seen by a step or not, and leaves
+        out work past saving (it only keeps a reserve of each step: docs/ENGINE.md)."""
         self.check_available()
         limits = self._engine.config.scheduler
-        ttft_s = slo.ttft_s if slo is not None and slo.ttft_s is not None else limits.slo_ttft_s
-        # The estimate counts every request handed to engine.generate(), seen by a step or not, and
-        # leaves out work past saving (it only keeps a reserve of each step: docs/ENGINE.md).
-        predicted_s = self._engine.estimate_wait_s(num_prompt_tokens, ttft_s)
+        ttft_s, predicted_s = quote.ttft_s, quote.predicted_wait_s
         wait_s = predicted_s * self.correction.factor()
         # The engine counts its own queue; our count also covers requests handed over but not yet seen
         # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.

@@ -7,12 +7,15 @@ config.py), which import no torch.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from tailserve.config import EngineConfig
+from tailserve.engine.quote import Admitted, WaitQuote
 from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams
 from tailserve.engine.stats import EngineStats
+
+T = TypeVar("T")
 
 
 class Tokenizer(Protocol):
@@ -55,21 +58,24 @@ class Engine(Protocol):
         """Compile a structured-output grammar off the step loop (cached); a bad one raises a 400."""
         ...
 
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        admit: Callable[[WaitQuote], T],
+    ) -> Admitted[T]:
+        """Price the request once (WaitQuote: prompt work less the cached prefix, TTFT target,
+        predicted wait), call `admit` with the price (raising refuses: nothing is queued), queue it:
+        the one call per request of the HTTP flow."""
+        ...
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Queue the request at once (admission counts it from this call); errors arrive on iteration."""
+        """Queue a request without admission (the server's warm-up); errors arrive on iteration."""
         ...
 
     def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
-
-    def prompt_work_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Prompt tokens the engine would compute for this request before its first output: the
-        prompt less the prefix its cache holds now. What admission prices a newcomer by."""
-        ...
-
-    def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
-        """Predicted time to first token of a newcomer whose TTFT target is `ttft_s` (None: --slo-ttft)."""
-        ...

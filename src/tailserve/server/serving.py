@@ -166,11 +166,10 @@ class Serving:
             for i, inp in enumerate(inputs):
                 # One engine request per choice, named after the HTTP request (`-index` when several).
                 rid = prepared.request_id if len(inputs) == 1 else f"{prepared.request_id}-{i}"
-                work = self._engine.prompt_work_tokens(inp.prompt_token_ids, inp.params)
-                ticket = self._admission.admit(work, inp.params.slo)
-                run = _Run(rid, self._engine, self._metrics, ticket, inp.params.slo)
+                admitted = self._engine.submit(rid, inp.prompt_token_ids, inp.params, self._admission.admit)
+                run = _Run(rid, self._engine, self._metrics, admitted.ticket, inp.params.slo)
+                run.gen = admitted.stream
                 runs.append(run)
-                run.gen = self._engine.generate(rid, inp.prompt_token_ids, inp.params)
             job = prepared.job(admission_estimate_s=runs[0].ticket.estimate_s)
             firsts = await until_disconnect(_all([anext(r.gen) for r in runs]), receive, closing)
             if firsts is None:
