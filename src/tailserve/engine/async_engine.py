@@ -104,6 +104,17 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
 
+    def exit_process_on_worker_death(self) -> None:
+        """Serving's policy under tensor parallelism: a dead worker fails what is in flight, then the
+        process exits non-zero so the orchestrator restarts it. Nothing without tensor parallelism."""
+        tp = self.engine.runner.tp
+        if tp is not None:
+            tp.exit_process_on_worker_death()
+
+    def close(self) -> None:
+        """After shutdown: stop the tensor-parallel workers, if any; the engine cannot generate afterwards."""
+        self.engine.runner.close()
+
     def submit(
         self,
         request_id: str,

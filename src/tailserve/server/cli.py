@@ -254,12 +254,10 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # e.g. a --tensor-parallel-size the model cannot split into
         print(f"tailserve serve: {exc}", file=sys.stderr)
         return 2
-    tp = engine.engine.runner.tp
-    if tp is not None:  # a dead worker fails what is in flight, then the server exits non-zero
-        tp.exit_process_on_worker_death()
+    engine.exit_process_on_worker_death()  # tensor parallelism: a dead worker ends the server
     generation = read_generation_defaults(model_file(args.model))
     server_config = dataclasses.replace(server_config, generation=generation)
     try:
         return run_server(create_app(engine, server_config), server_config)
     finally:
-        engine.engine.runner.close()  # stops tensor-parallel workers after the drain
+        engine.close()  # stops tensor-parallel workers after the drain
