@@ -98,16 +98,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
-        _check(
-            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
-            "max_tokens must be an integer",
-            "max_tokens",
-        )
-        _check(
-            self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
-            f"max_tokens must be at least 1 (0 only to score the prompt), got {self.max_tokens}",
-            "max_tokens",
-        )
+        check_max_tokens(self.max_tokens, scores_prompt=self.prompt_logprobs is not None)
         _check(_finite(self.temperature), "temperature must be a number", "temperature")
         _check(
             0.0 <= self.temperature <= 2.0,
@@ -196,6 +187,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0 means argmax."""
         return self.temperature == 0.0
+
+
+def check_max_tokens(max_tokens: object, scores_prompt: bool, name: str = "max_tokens") -> None:
+    """The rule for max_tokens, stated once: an integer, at least 1, or 0 when the request only scores
+    its prompt (prompt logprobs). `name`: the field the caller sent it as, which the error names."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise InvalidRequestError(f"'{name}' must be an integer", param=name)
+    _check(
+        max_tokens >= 1 or (max_tokens == 0 and scores_prompt),
+        f"'{name}' must be at least 1 (0 only to score the prompt, with echo), got {max_tokens}",
+        name,
+    )
 
 
 def check_limits(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, context: int) -> None:

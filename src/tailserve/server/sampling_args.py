@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tailserve.engine.request import GrammarSpec, SamplingParams, SloTarget
+from tailserve.engine.request import GrammarSpec, SamplingParams, SloTarget, check_max_tokens
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.generation_defaults import GenerationDefaults
 from tailserve.server.protocol import (
@@ -52,11 +52,8 @@ def sampling_params(
             raise ContextLengthExceededError(
                 message, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             )
-    echo = isinstance(req, CompletionRequest) and req.echo
-    if max_tokens == 0 and not echo:
-        raise InvalidRequestError(
-            f"'{max_param}' must be at least 1 (0 only with echo, to score the prompt)", max_param
-        )
+    prompt_logprobs = _prompt_logprobs(req, max_tokens)
+    check_max_tokens(max_tokens, prompt_logprobs is not None, max_param)  # in the client's name
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise InvalidRequestError(
             f"Invalid value for 'seed': must be in [-2**63, 2**64 - 1], got a {req.seed.bit_length()}-bit number",
@@ -74,33 +71,27 @@ def sampling_params(
             "structured_outputs or a forced tool_choice)",
             "min_tokens",
         )
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            top_k=top_k or 0,
-            seed=req.seed,
-            stop=stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias),
-            min_tokens=req.min_tokens or 0,
-            logprobs=_logprobs(req),
-            grammar=grammar,
-            prompt_logprobs=_prompt_logprobs(req, max_tokens),
-            slo=slo,
-            cache_salt=cache_salt if cache_salt is not None else req.cache_salt,
-        )
-    except InvalidRequestError as exc:
-        if exc.param == "max_tokens":
-            exc.param = max_param
-            exc.message = exc.message.replace("max_tokens", max_param)
-        raise
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or 0,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        min_tokens=req.min_tokens or 0,
+        logprobs=_logprobs(req),
+        grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
+        slo=slo,
+        cache_salt=cache_salt if cache_salt is not None else req.cache_salt,
+    )
 
 
 def request_grammar(req: CommonRequest) -> GrammarSpec | None:
