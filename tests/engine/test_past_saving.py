@@ -62,8 +62,8 @@ class _Run:
         slo = SloTarget("test", ttft_s=ttft_s) if ttft_s is not None else None
         ids = [(self.seq * 7 + i) % 1000 + 1 for i in range(tokens)]
         timings = RequestTimings(arrival=time.monotonic() - age_s)
-        params = SamplingParams(max_tokens=1, slo=slo)
-        self.scheduler.add(Request(name, ids, params, timings, seq_no=self.seq))
+        params = SamplingParams(max_tokens=1)
+        self.scheduler.add(Request(name, ids, params, timings, seq_no=self.seq, slo=slo))
         self.seq += 1
 
     def run_step(self) -> None:

@@ -4,8 +4,6 @@ logits of the real model."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -81,7 +79,7 @@ def test_prompt_only_with_max_tokens_zero_and_n_choices_share_the_scores(llm: LL
     engine = llm.engine
     params = SamplingParams(max_tokens=2, temperature=1.0, seed=5, prompt_logprobs=1)
     engine.add_request("parent", prompt, params)
-    engine.add_request("child", prompt, dataclasses.replace(params, fork_of="parent"))
+    engine.add_request("child", prompt, params, fork_of="parent")
     finals = {}
     while engine.has_unfinished():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

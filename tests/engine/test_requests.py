@@ -275,10 +275,8 @@ def test_forked_siblings_share_the_prompt_blocks_and_draw_their_own_tokens(llm: 
     def run(tag: str) -> tuple[list[list[int]], int]:
         ids = [f"{tag}-{i}" for i in range(3)]
         for i, rid in enumerate(ids):
-            params = SamplingParams(
-                max_tokens=8, temperature=1.0, seed=100 + i, fork_of=ids[0] if i else None
-            )
-            engine.add_request(rid, prompt, params)
+            params = SamplingParams(max_tokens=8, temperature=1.0, seed=100 + i)
+            engine.add_request(rid, prompt, params, fork_of=ids[0] if i else None)
         outs: dict[str, list[int]] = {}
         peak = 0
         while engine.has_unfinished():

@@ -23,8 +23,8 @@ class _Plan:
 
 def _request(name: str, tokens: int, age_s: float, seq_no: int, ttft_s: float | None = None) -> Request:
     slo = SloTarget("test", ttft_s=ttft_s) if ttft_s is not None else None
-    params = SamplingParams(max_tokens=16, slo=slo)
-    return Request(name, [5] * tokens, params, RequestTimings(arrival=NOW - age_s), seq_no=seq_no)
+    params = SamplingParams(max_tokens=16)
+    return Request(name, [5] * tokens, params, RequestTimings(arrival=NOW - age_s), seq_no=seq_no, slo=slo)
 
 
 def test_tokens_ahead_of_a_newcomer_are_those_the_planner_orders_before_it() -> None:

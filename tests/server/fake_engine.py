@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from tailserve.config import EngineConfig, SchedulerConfig
 from tailserve.engine.quote import Admitted, WaitQuote
-from tailserve.engine.request import RequestOutput, RequestTimings, SamplingParams, ttft_target_s
+from tailserve.engine.request import RequestOutput, RequestTimings, SamplingParams, SloTarget, ttft_target_s
 from tailserve.engine.stats import EngineStats
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 
@@ -130,11 +130,14 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         admit: Callable[[WaitQuote], T],
+        *,
+        slo: SloTarget | None = None,
+        fork_of: str | None = None,
     ) -> Admitted[T]:
         """Priced by the whole prompt (no prefix cache), admitted, then queued as generate does."""
         if self.explode_on is not None and self.explode_on in self.tokenizer.decode(prompt_token_ids):
             raise RuntimeError("scripted bug")  # an unexpected error inside the engine call
-        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
+        ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
         ticket = admit(WaitQuote(len(prompt_token_ids), ttft_s, self.estimate_wait_s()))
         return Admitted(ticket, self.generate(request_id, prompt_token_ids, params))
 

@@ -228,7 +228,7 @@ def test_n_fans_out_forks_with_consecutive_seeds() -> None:
     params = sampling_params(req, 2, 100, 1024)
     inputs = fan_out([[1, 2], [3]], [params, params], choices_per_prompt(req), "cmpl-x", False, False)
     assert [i.params.seed for i in inputs] == [5, 6, 7, 5, 6, 7]
-    assert [i.params.fork_of for i in inputs] == [None, "cmpl-x-0", "cmpl-x-0", None, "cmpl-x-3", "cmpl-x-3"]
+    assert [i.fork_of for i in inputs] == [None, "cmpl-x-0", "cmpl-x-0", None, "cmpl-x-3", "cmpl-x-3"]
     assert [i.shares_prompt for i in inputs] == [False, True, True, False, True, True]
     for n in (0, 17):
         with pytest.raises(InvalidRequestError) as info:

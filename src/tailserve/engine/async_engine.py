@@ -22,7 +22,7 @@ from tailserve.config import EngineConfig
 from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.policy import PrefillItem
 from tailserve.engine.quote import Admitted, WaitQuote
-from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, ttft_target_s
+from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, SloTarget, ttft_target_s
 from tailserve.engine.stats import EngineStats
 from tailserve.engine.wait_model import QueueSnapshot, unseen_item
 from tailserve.errors import TailserveError
@@ -42,6 +42,8 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     arrival: float
     seq: int
+    slo: SloTarget | None
+    fork_of: str | None
 
 
 @dataclass
@@ -121,14 +123,18 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         admit: Callable[[WaitQuote], T],
+        *,
+        slo: SloTarget | None = None,
+        fork_of: str | None = None,
     ) -> Admitted[T]:
         """Price the request once (its prompt work, TTFT target and predicted wait), let `admit`
         decide on that price (it raises to refuse, and then nothing is queued), and queue it with
-        the same price: the server's one call per request."""
+        the same price: the server's one call per request. `slo` and `fork_of`: LLMEngine.add_request's."""
         work = self.engine.prompt_work_tokens(prompt_token_ids, params)
-        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
+        ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
         ticket = admit(WaitQuote(work, ttft_s, self.estimate_wait_s(work, ttft_s)))
-        return Admitted(ticket, self._enqueue(request_id, prompt_token_ids, params, work, ttft_s))
+        stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, None, slo, fork_of)
+        return Admitted(ticket, stream)
 
     def generate(
         self,
@@ -136,14 +142,17 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival: float | None = None,
+        *,
+        slo: SloTarget | None = None,
+        fork_of: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue the request now, unpriced by any admission (wait estimates count it from this call),
         and return its outputs: a RequestOutput per step that advanced it, the last with
         finished=True. A request the engine refuses raises its typed error on the first iteration.
         Iterate it, or abort the id."""
         work = self.engine.prompt_work_tokens(prompt_token_ids, params)
-        ttft_s = ttft_target_s(params, self.config.scheduler.slo_ttft_s)
-        return self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, arrival)
+        ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
+        return self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, arrival, slo, fork_of)
 
     def _enqueue(
         self,
@@ -152,12 +161,15 @@ class AsyncEngine:
         params: SamplingParams,
         work_tokens: int,
         ttft_s: float,
-        arrival: float | None = None,
+        arrival: float | None,
+        slo: SloTarget | None,
+        fork_of: str | None,
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         now = arrival or time.monotonic()
-        item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, next(self._add_seq))
+        seq = next(self._add_seq)
+        item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, seq, slo, fork_of)
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
@@ -248,7 +260,9 @@ class AsyncEngine:
             return
         self._applied.append(item.seq)
         try:
-            self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.arrival)
+            self.engine.add_request(
+                item.request_id, item.prompt_token_ids, item.params, item.arrival, item.slo, item.fork_of
+            )
         except Exception as exc:
             with self._lock:  # drop the map entry only if it is this request's own stream
                 if self._streams.get(item.request_id, (None, None))[1] is item.stream:

@@ -25,6 +25,7 @@ from tailserve.engine.request import (
     RequestOutput,
     RequestTimings,
     SamplingParams,
+    SloTarget,
     TokenLogprob,
     check_limits,
 )
@@ -90,8 +91,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival: float | None = None,
+        slo: SloTarget | None = None,
+        fork_of: str | None = None,
     ) -> None:
-        """Check the engine's limits, then queue. Raises a typed error, changing nothing, if the request is bad."""
+        """Check the engine's limits, then queue. Raises a typed error, changing nothing, if the request is bad.
+        `slo`: its own latency targets (None: the engine's). `fork_of`: the id of a request with the same
+        prompt whose full KV blocks it takes by reference once that prompt is computed (n > 1)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         check_limits(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
@@ -108,12 +113,13 @@ class LLMEngine:
             timings=RequestTimings(arrival=arrival if arrival is not None else time.monotonic()),
             seq_no=next(self._seq),
             generator=torch.Generator().manual_seed(seed),
+            slo=slo,
         )
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         if params.grammar is not None:  # compiled already when the server sent it (else: compiled now)
             req.grammar = self.grammars.matcher(params.grammar)
         self._requests[request_id] = req
-        parent = self._requests.get(params.fork_of or "")
+        parent = self._requests.get(fork_of or "")
         if (
             parent is not None
             and parent is not req

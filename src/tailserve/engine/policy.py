@@ -73,7 +73,7 @@ class SchedulePolicy(Protocol):
 
 def prefill_item(req: Request, slo_ttft_s: float) -> PrefillItem:
     """A queued or prefilling request as the order sees it (`slo_ttft_s`: the target of one without its own)."""
-    ttft_s = ttft_target_s(req.params, slo_ttft_s)
+    ttft_s = ttft_target_s(req.slo, slo_ttft_s)
     resumed = req.timings.first_token is not None
     return PrefillItem(req.prompt_work_tokens, req.timings.arrival + ttft_s, ttft_s, req.seq_no, resumed)
 
@@ -193,7 +193,7 @@ class SloPolicy:
         for r in decodes:
             if not r.timings.first_token:
                 continue
-            tpot = tpot_target_s(r.params, self.config.slo_tpot_s)
+            tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
             gaps_after = self.tokens_left(r) - 1  # this step yields one token; these come after it
             future_s = min(recent_s, tpot)
             done_gaps = r.num_output_tokens - 1

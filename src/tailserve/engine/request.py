@@ -34,15 +34,13 @@ class SloTarget:
             _check(value is None or (_finite(value) and value > 0), f"SLO {name} must be positive", "slo")
 
 
-def ttft_target_s(params: SamplingParams, default_s: float) -> float:
+def ttft_target_s(slo: SloTarget | None, default_s: float) -> float:
     """The request's TTFT target, else the engine's."""
-    slo = params.slo
     return slo.ttft_s if slo is not None and slo.ttft_s is not None else default_s
 
 
-def tpot_target_s(params: SamplingParams, default_s: float) -> float:
+def tpot_target_s(slo: SloTarget | None, default_s: float) -> float:
     """The request's TPOT target, else the engine's."""
-    slo = params.slo
     return slo.tpot_s if slo is not None and slo.tpot_s is not None else default_s
 
 
@@ -83,11 +81,7 @@ class SamplingParams:
     # k in 0..20: every prompt token after the first gets its logprob and the k most likely (echo in
     # /v1/completions). Such a request skips the prefix cache until its prompt is scored.
     prompt_logprobs: int | None = None
-    # n > 1: the id of the request whose prompt (the same ids) this one shares. It waits until that
-    # prompt is computed, then takes its full KV blocks by reference (KVCacheManager.fork).
-    fork_of: str | None = None
     grammar: GrammarSpec | None = None  # structured outputs: only tokens the grammar allows are sampled
-    slo: SloTarget | None = None  # latency targets of this request (not sampling: scheduling and admission)
     # vLLM's cache_salt (not sampling either): requests share prefix-cache blocks only with the same salt.
     cache_salt: str | None = None
 
@@ -359,6 +353,7 @@ class Request:
     # Prompt tokens the prefix cache held when it was queued: wait estimates leave them out while it
     # waits (a waiting request has matched nothing yet; once running, num_computed_tokens counts them).
     expected_cached_tokens: int = 0
+    slo: SloTarget | None = None  # its own latency targets (None: the engine's), read by `slo` and admission
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 from tailserve.config import EngineConfig
 from tailserve.engine.quote import Admitted, WaitQuote
-from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams
+from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, SloTarget
 from tailserve.engine.stats import EngineStats
 
 T = TypeVar("T")
@@ -64,10 +64,14 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         admit: Callable[[WaitQuote], T],
+        *,
+        slo: SloTarget | None = None,
+        fork_of: str | None = None,
     ) -> Admitted[T]:
         """Price the request once (WaitQuote: prompt work less the cached prefix, TTFT target,
         predicted wait), call `admit` with the price (raising refuses: nothing is queued), queue it:
-        the one call per request of the HTTP flow."""
+        the one call per request of the HTTP flow. `slo`: its latency targets (None: the engine's);
+        `fork_of`: the engine request whose prompt it shares (n > 1)."""
         ...
 
     def generate(

@@ -131,6 +131,9 @@ class EngineInput:
     include_usage: bool
     shares_prompt: bool = False  # one of n > 1 choices after the first: its prompt is counted once
     echo_text: str | None = None  # `echo`: the prompt's text, put before the completion's
+    fork_of: str | None = (
+        None  # n > 1: the engine request (the prompt's first choice) whose prompt KV it shares
+    )
 
 
 MAX_N = 16  # choices per prompt
@@ -177,9 +180,9 @@ def fan_out(
             if seed is not None and j:
                 seed = seed + j if seed + j <= SEED_RANGE[1] else seed - j
             fork_of = f"{request_id}-{k * n}" if j else None
-            one = dataclasses.replace(p, seed=seed, fork_of=fork_of)
+            one = dataclasses.replace(p, seed=seed)
             echo = echo_texts[k] if echo_texts is not None else None
-            out.append(EngineInput(ids, one, stream, include_usage, shares_prompt=j > 0, echo_text=echo))
+            out.append(EngineInput(ids, one, stream, include_usage, j > 0, echo, fork_of))
     return out
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tailserve.engine.request import GrammarSpec, SamplingParams, SloTarget, check_max_tokens
+from tailserve.engine.request import GrammarSpec, SamplingParams, check_max_tokens
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.server.generation_defaults import GenerationDefaults
 from tailserve.server.protocol import (
@@ -31,14 +31,13 @@ def sampling_params(
     max_model_len: int,
     max_tokens_default: int,
     defaults: GenerationDefaults | None = None,
-    slo: SloTarget | None = None,
     cache_salt: str | None = None,
 ) -> SamplingParams:
     """OpenAI sampling fields -> SamplingParams; the error's param names the field the client sent.
 
     A field left out takes the model's generation default, then OpenAI's; a missing max_tokens is
-    capped at `max_tokens_default` (and at the context left), so no request runs unbounded. `slo` and
-    `cache_salt` (else the body's) are the server's choices for the request (its class, its key)."""
+    capped at `max_tokens_default` (and at the context left), so no request runs unbounded.
+    `cache_salt` (else the body's): the server's choice for the request (--cache-salt-from-api-key)."""
     reject_unsupported(req)
     model = defaults or GenerationDefaults()
     max_param, max_tokens = "max_tokens", req.max_tokens
@@ -89,7 +88,6 @@ def sampling_params(
         logprobs=_logprobs(req),
         grammar=grammar,
         prompt_logprobs=prompt_logprobs,
-        slo=slo,
         cache_salt=cache_salt if cache_salt is not None else req.cache_salt,
     )
 

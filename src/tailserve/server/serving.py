@@ -117,8 +117,7 @@ class Serving:
         # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
         limit, default = self._engine.max_model_len, self._max_tokens_default
         all_params = [
-            sampling_params(req, len(ids), limit, default, self._defaults, slo=slo, cache_salt=salt)
-            for ids in prompts
+            sampling_params(req, len(ids), limit, default, self._defaults, cache_salt=salt) for ids in prompts
         ]
         shows_logprobs = all_params[0].logprobs is not None
         n = choices_per_prompt(req)
@@ -148,7 +147,7 @@ class Serving:
             else None,
             best_of=best_of,
         )
-        return Prepared(request_id, inputs, job)
+        return Prepared(request_id, inputs, slo, job)
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.model_name:
@@ -166,8 +165,15 @@ class Serving:
             for i, inp in enumerate(inputs):
                 # One engine request per choice, named after the HTTP request (`-index` when several).
                 rid = prepared.request_id if len(inputs) == 1 else f"{prepared.request_id}-{i}"
-                admitted = self._engine.submit(rid, inp.prompt_token_ids, inp.params, self._admission.admit)
-                run = _Run(rid, self._engine, self._metrics, admitted.ticket, inp.params.slo)
+                admitted = self._engine.submit(
+                    rid,
+                    inp.prompt_token_ids,
+                    inp.params,
+                    self._admission.admit,
+                    slo=prepared.slo,
+                    fork_of=inp.fork_of,
+                )
+                run = _Run(rid, self._engine, self._metrics, admitted.ticket, prepared.slo)
                 run.gen = admitted.stream
                 runs.append(run)
             job = prepared.job(admission_estimate_s=runs[0].ticket.estimate_s)
@@ -244,6 +250,7 @@ class Prepared:
 
     request_id: str
     inputs: list[EngineInput]
+    slo: SloTarget | None  # its latency targets (its class's, or its own), None: the engine's
     job: Callable[..., Job]
 
 
