@@ -8,12 +8,13 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.weights.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # annotations only: the server imports this module and must not load torch
+    import torch
 
 MAX_CACHE_SALT_CHARS = 256  # a tenant id or a random token fits; the salt is hashed with each first block
 
