@@ -408,6 +408,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("rows", "rounds", "steps", "repeats", "output_tokens", "threads", "batches"):
         value = getattr(args, name, None)
         counts += value if isinstance(value, list) else [] if value is None else [value]
+    base = getattr(args, "base", None)
+    if base is not None:
+        root = Path(__file__).resolve().parents[1]
+        found = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--verify", "--quiet", f"{base}^{{commit}}"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if found.returncode != 0:
+            parser.error(f"--base {base!r} is not a commit of this repository")
     if any(c < 1 for c in counts):
         parser.error(
             "--rows, --rounds, --steps, --repeats, --output-tokens, --threads and --batches must be >= 1"
@@ -419,7 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["benchmarks/engine_steps.py", *(sys.argv[1:] if argv is None else argv)])
-    lines = args.run(args)
+    try:
+        lines = args.run(args)
+    except RuntimeError as exc:  # a worker that failed: its own error, no traceback of ours
+        print(f"engine_steps: {exc}", file=sys.stderr)
+        return 1
     print(f"\n# `{command}` at {stamp} on {machine_line()}, commit {git_commit()}")
     print("\n".join(lines))
     return 0

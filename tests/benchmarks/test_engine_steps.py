@@ -70,3 +70,10 @@ def test_the_step_timers_time_the_steps_asked_and_leave_the_engine_empty() -> No
 def test_counts_below_one_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         engine_steps.parse_args(argv)
+
+
+def test_a_base_that_is_no_commit_is_refused_before_any_worktree(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        engine_steps.parse_args(["commits", "--base", "no-such-rev-xyz"])
+    assert exit_info.value.code == 2
+    assert "--base 'no-such-rev-xyz' is not a commit of this repository" in capsys.readouterr().err
