@@ -118,9 +118,11 @@ class SchedulerConfig:
     # is lost) keep, so they yield to savable requests without starving (docs/ENGINE.md).
     past_saving_share: float = 0.25
     # slo: a prompt whose slack (deadline - now - its predicted prefill) is under this share of its
-    # TTFT target goes earliest deadline first; above it, least prompt x target first. 1: deadline
-    # order for all (the least maximum lateness); 0: Smith's rule until a prompt is past saving.
-    urgent_slack: float = 0.25
+    # TTFT target goes earliest deadline first; above it, least prompt x target first. 1 (default):
+    # deadline order for all, the least maximum lateness, and an order a later arrival cannot jump
+    # with an equal target, so the wait admission promised holds; 0: Smith's rule until a prompt
+    # is past saving (the least mean TTFT, a longer tail; docs/ENGINE.md).
+    urgent_slack: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")

@@ -129,19 +129,20 @@ def test_wait_estimate_counts_requests_not_yet_seen_by_the_step_loop(smol: Loade
         # Teach the step timer its cost per prompt token with one prefill, driven by hand.
         _serve_by_hand(engine.engine, "timer", list(range(100, 150)))
         prompt = list(range(200, 250))
-        assert engine.estimate_wait_s(len(prompt)) == 0.0  # nothing ahead
+        alone = engine.estimate_wait(len(prompt))
+        assert not alone.queued and alone.ttft_s == alone.alone_s > 0  # nothing ahead: its own prefill
         # The step loop is not started: these requests sit in the inbox, unseen by the engine.
         streams = [engine.generate(f"b{i}", prompt, SamplingParams(max_tokens=4)) for i in range(3)]
         waits = [engine.estimate_wait_s(len(prompt))]
         streams.append(engine.generate("b3", prompt, SamplingParams(max_tokens=4)))
         waits.append(engine.estimate_wait_s(len(prompt)))
-        assert 0 < waits[0] < waits[1]
+        assert alone.ttft_s < waits[0] < waits[1]
         await engine.start()
         for stream in streams:
             async for _ in stream:
                 pass
         await _wait_idle(engine)
-        assert engine.estimate_wait_s(len(prompt)) == 0.0  # seen, served, gone from the count
+        assert not engine.estimate_wait(len(prompt)).queued  # seen, served, gone from the count
         await engine.shutdown()
 
     asyncio.run(main())

@@ -217,8 +217,10 @@ def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
         timer.record(_Plan(40, 38), 0.15)
     wait = _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now)
     assert wait > 9 * 0.14  # the slot frees at the steps' pace now, not at a decode-only step's
-    scheduler.finish(scheduler.running[0], "abort")  # a slot is free: no wait at all
-    assert _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now) == 0.0
+    scheduler.finish(scheduler.running[0], "abort")  # a slot is free: only its own prefill
+    model = WaitModel(scheduler.policy, scheduler.timer, scheduler.config.slo_ttft_s)
+    wait_now = model.estimate(10, scheduler.queue_snapshot(now), now)
+    assert not wait_now.queued and wait_now.ttft_s == wait_now.alone_s < 9 * 0.14
 
 
 def test_a_late_request_takes_the_next_free_slot_under_a_steady_stream() -> None:

@@ -26,11 +26,16 @@ class StepLog:
 def _engine(
     smol: LoadedModel, policy: str, slo_ttft_s: float = 100.0, slo_tpot_s: float = 0.001
 ) -> LLMEngine:
+    """An engine whose `slo` orders prompts by Smith's rule while they have slack (--urgent-slack 0.25)."""
     config = EngineConfig(
         model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=1024),
         cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=128, policy=policy, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s
+            max_num_batched_tokens=128,
+            policy=policy,
+            slo_ttft_s=slo_ttft_s,
+            slo_tpot_s=slo_tpot_s,
+            urgent_slack=0.25,
         ),
     )
     return LLMEngine(config, loaded=smol)
@@ -109,7 +114,7 @@ def _decoding(k: int, elapsed_s: float, now: float, max_tokens: int = 8) -> Requ
 
 def test_slo_policy_orders_and_estimates_as_documented() -> None:
     timer = StepTimer(budget_tokens=256)
-    config = SchedulerConfig(policy="slo", slo_ttft_s=2.0, slo_tpot_s=0.05)
+    config = SchedulerConfig(policy="slo", slo_ttft_s=2.0, slo_tpot_s=0.05, urgent_slack=0.25)
     slo = SloPolicy(config, timer, block_size=16)
     now = 1000.0
     fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=2) for _ in range(4)]  # one gap to go
@@ -166,6 +171,12 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     newcomer = PrefillItem(50, now + 2.0, 2.0, NEWCOMER_SEQ_NO)
     assert tokens_ahead(slo, pending, newcomer, now) == 30 + 500
     assert tokens_ahead(FcfsPolicy(), pending, newcomer, now) == 1530
+    # The default (--urgent-slack 1): deadline order for all; only the earlier deadline is ahead,
+    # and no later arrival with the same target ever will be.
+    deadline_order = SloPolicy(SchedulerConfig(policy="slo", slo_ttft_s=2.0), timer, block_size=16)
+    assert tokens_ahead(deadline_order, pending, newcomer, now) == 500
+    later = PrefillItem(5, now + 2.5, 2.0, NEWCOMER_SEQ_NO)
+    assert tokens_ahead(deadline_order, [*pending, newcomer._replace(seq_no=3)], later, now) == 500 + 50
 
 
 def test_step_timer_prices_prompt_tokens_beyond_the_decode_step() -> None:

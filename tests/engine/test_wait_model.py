@@ -42,7 +42,9 @@ def test_tokens_ahead_of_a_newcomer_are_those_the_planner_orders_before_it() -> 
         _request("loose", 200, 0.1, 5, ttft_s=5.0),
     ]
     policies: list[SchedulePolicy] = [
-        SloPolicy(SchedulerConfig(policy="slo", slo_ttft_s=SLO_TTFT_S), timer, block_size=16),
+        SloPolicy(
+            SchedulerConfig(policy="slo", slo_ttft_s=SLO_TTFT_S, urgent_slack=0.25), timer, block_size=16
+        ),
         SloPolicy(
             SchedulerConfig(policy="slo", slo_ttft_s=SLO_TTFT_S, urgent_slack=1.0), timer, block_size=16
         ),
@@ -54,8 +56,9 @@ def test_tokens_ahead_of_a_newcomer_are_those_the_planner_orders_before_it() -> 
         for tokens, ttft_s in ((40, 0.55), (250, 0.55), (100, 5.0), (20, 0.1), (3000, 1.0)):
             newcomer = _request("new", tokens, 0.0, 99, ttft_s=ttft_s)
             order = order_prefills(policy, [*queued, newcomer], NOW, SLO_TTFT_S)
-            ids = [r.request_id for r in order.savable]
-            before = order.savable[: ids.index("new")] if "new" in ids else order.savable  # late: after all
+            # A late newcomer comes after every savable prompt and the late ones ordered before it.
+            line = [*order.savable, *order.past_saving]
+            before = line[: [r.request_id for r in line].index("new")]
             item = prefill_item(newcomer, SLO_TTFT_S)._replace(seq_no=NEWCOMER_SEQ_NO)
             pending = [prefill_item(r, SLO_TTFT_S) for r in queued]
             ahead = tokens_ahead(policy, pending, item, NOW)

@@ -48,14 +48,19 @@ def teach(admission: Admission, engine: FakeEngine, clock: Clock, n: int, actual
         ticket.done()
 
 
-def test_factor_is_the_bounded_median_of_recent_ratios_and_one_until_enough() -> None:
+def test_factor_is_a_high_quantile_of_recent_ratios_bounded_and_one_until_enough() -> None:
     clock = Clock()
     c = WaitCorrection(clock=clock)
     for _ in range(WaitCorrection.MIN_SAMPLES - 1):
         c.record(0.5, 1.0)
     assert c.factor() == 1.0  # too few to say
+    for _ in range(38 - (WaitCorrection.MIN_SAMPLES - 1)):
+        c.record(0.5, 1.0)
     c.record(0.5, 1.5)
-    assert c.factor() == pytest.approx(2.0)  # median of fifteen 2.0 and one 3.0
+    c.record(0.5, 1.5)
+    assert c.factor() == pytest.approx(2.0)  # 38 of 40 ratios are 2.0: 95% are at most 2.0
+    c.record(0.5, 1.5)
+    assert c.factor() == pytest.approx(3.0)  # 3 of 41 are 3.0: more than 5% would run past 2.0
     for _ in range(WaitCorrection.WINDOW):
         c.record(0.5, 0.2)  # the engine over-predicting: a factor under 1, down to the bound
     assert c.factor() == WaitCorrection.BOUNDS[0]
@@ -69,7 +74,7 @@ def test_factor_is_the_bounded_median_of_recent_ratios_and_one_until_enough() ->
 
 def test_only_priced_waits_teach() -> None:
     c = WaitCorrection()
-    assert not c.teaches(0.0, 1.0)  # nothing ahead: an idle server does not price a lone prompt
+    assert not c.teaches(0.0, 1.0)  # nothing to compute, nothing priced
     assert not c.teaches(0.2, 1.0)  # under MIN_SHARE of the target: per-step costs dominate
     assert c.teaches(0.3, 1.0)
     assert not WaitCorrection(enabled=False).teaches(0.5, 1.0)

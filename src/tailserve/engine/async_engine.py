@@ -24,7 +24,7 @@ from tailserve.engine.policy import PrefillItem
 from tailserve.engine.quote import Admitted, WaitQuote
 from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, SloTarget, ttft_target_s
 from tailserve.engine.stats import EngineStats
-from tailserve.engine.wait_model import QueueSnapshot, unseen_item
+from tailserve.engine.wait_model import QueueSnapshot, Wait, unseen_item
 from tailserve.errors import TailserveError
 from tailserve.executor import warmup
 from tailserve.weights.loader import LoadedModel
@@ -132,7 +132,8 @@ class AsyncEngine:
         the same price: the server's one call per request. `slo` and `fork_of`: LLMEngine.add_request's."""
         work = self.engine.prompt_work_tokens(prompt_token_ids, params)
         ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
-        ticket = admit(WaitQuote(work, ttft_s, self.estimate_wait_s(work, ttft_s)))
+        wait = self.estimate_wait(work, ttft_s)
+        ticket = admit(WaitQuote(work, ttft_s, wait.ttft_s, wait.alone_s))
         stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, None, slo, fork_of)
         return Admitted(ticket, stream)
 
@@ -203,15 +204,19 @@ class AsyncEngine:
         return self._stats
 
     def estimate_wait_s(self, num_prompt_tokens: int, ttft_s: float | None = None) -> float:
+        """Predicted TTFT of a new request whose target is `ttft_s` (None: --slo-ttft): see `estimate_wait`."""
+        return self.estimate_wait(num_prompt_tokens, ttft_s).ttft_s
+
+    def estimate_wait(self, num_prompt_tokens: int, ttft_s: float | None = None) -> Wait:
         """Predicted queue wait plus prefill for a new request whose TTFT target is `ttft_s` (None:
-        --slo-ttft): the last step's snapshot plus every request handed to generate() since (a burst
-        arrives faster than the engine thread sees it)."""
+        --slo-ttft), and its prefill alone: the last step's snapshot plus every request handed to
+        generate() since (a burst arrives faster than the engine thread sees it)."""
         with self._lock:
             snapshot = self._queue
             unseen = list(self._unseen.values())
         if unseen:
             snapshot = dataclasses.replace(snapshot, pending=[*snapshot.pending, *unseen])
-        return self.engine.estimate_wait_s(num_prompt_tokens, snapshot, ttft_s)
+        return self.engine.wait_model.estimate(num_prompt_tokens, snapshot, time.monotonic(), ttft_s)
 
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:

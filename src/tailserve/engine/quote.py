@@ -21,7 +21,13 @@ class WaitQuote:
 
     work_tokens: int  # prompt tokens it would compute: the prompt less the prefix cached now
     ttft_s: float  # its TTFT target: its slo's, else --slo-ttft
-    predicted_wait_s: float  # queue wait plus prefill predicted for it now (0: nothing ahead)
+    predicted_wait_s: float  # its TTFT predicted now: the work queued ahead of it, then its own prefill
+    alone_s: float = 0.0  # its own prefill at today's load: the TTFT with nothing queued ahead
+
+    @property
+    def queued(self) -> bool:
+        """Whether work is predicted ahead of it (else it starts with the next step)."""
+        return self.predicted_wait_s > self.alone_s
 
 
 @dataclass(frozen=True)

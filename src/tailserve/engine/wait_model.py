@@ -2,7 +2,14 @@
 
 It reads the planner's rules and never restates them: a newcomer goes behind the queued prompts the
 policy's `rank` puts ahead of it (the order the scheduler sorts by), at the rate the policy's
-past-saving reserve leaves. It only prices a `QueueSnapshot`: it never changes a queue or a cache.
+past-saving reserve leaves, and then takes its own prefill. It only prices a `QueueSnapshot`: it
+never changes a queue or a cache.
+
+A newcomer whose own prefill cannot end within its target even if it started now is past saving
+from the start: the planner puts it behind every savable prompt and behind the late ones with
+earlier deadlines, so all of those are ahead of it. (Pricing it like a savable newcomer, which
+never counts late work ahead, predicted a wait of 0 for a burst of long prompts on a server whose
+recent steps had been slow: 60 of 60 admitted, the last waiting 127 s. Issue 40.)
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tailserve.engine.policy import PrefillItem, PrefillRank
 from tailserve.engine.stats import StepTimer
@@ -52,15 +59,33 @@ def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
 
 def tokens_ahead(rules: PlanRules, pending: Sequence[PrefillItem], newcomer: PrefillItem, now: float) -> int:
     """Queued prompt tokens the planner would prefill before `newcomer`: those it ranks ahead. Work
-    past saving is never ahead: it only keeps its reserve (`savable_tokens_per_step`)."""
+    past saving is never ahead of a savable newcomer: it only keeps its reserve
+    (`savable_tokens_per_step`); a newcomer past saving itself has every savable prompt ahead and
+    the late ones the rank puts first (earlier deadlines)."""
     mine = rules.rank(newcomer, now)
-    return sum(p.tokens for p in pending if (r := rules.rank(p, now)) < mine and not r.past_saving)
+    return sum(
+        p.tokens
+        for p in pending
+        if (r := rules.rank(p, now)) < mine and (mine.past_saving or not r.past_saving)
+    )
 
 
 def savable_tokens_per_step(rules: PlanRules, cap: int) -> int:
     """Prefill tokens a step leaves savable work while work past saving waits: the cap less the
     reserve, over two steps (a step with room for one chunk alternates between the two)."""
     return max(sum(cap - rules.past_saving_reserve(cap, step_no) for step_no in (1, 2)) // 2, 1)
+
+
+class Wait(NamedTuple):
+    """A newcomer's predicted time to first token, and what it would be with nothing queued ahead."""
+
+    ttft_s: float  # the work the planner puts ahead of it, then its own prefill
+    alone_s: float  # its own prefill at the load running now: the least any admission could promise
+
+    @property
+    def queued(self) -> bool:
+        """Whether any work is predicted ahead of it (else it starts with the next step)."""
+        return self.ttft_s > self.alone_s
 
 
 class WaitModel:
@@ -74,30 +99,34 @@ class WaitModel:
     def estimate_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
     ) -> float:
+        """Predicted time to a new request's first token (`estimate(...).ttft_s`)."""
+        return self.estimate(num_prompt_tokens, snapshot, now, ttft_s).ttft_s
+
+    def estimate(
+        self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
+    ) -> Wait:
         """Predicted time to a new request's first token: the prefill work the policy puts ahead of it,
-        plus its own. Zero when nothing is ahead: an idle server never refuses. `ttft_s` is the
-        newcomer's own TTFT target (default --slo-ttft); work past saving is not counted ahead."""
+        plus its own (zero work, zero time); and its own alone. `ttft_s` is the newcomer's own TTFT
+        target (default --slo-ttft)."""
         target = self.slo_ttft_s if ttft_s is None else ttft_s
         pending, rules = snapshot.pending, self.rules
         newcomer = PrefillItem(num_prompt_tokens, now + target, target, NEWCOMER_SEQ_NO)
         ahead = tokens_ahead(rules, pending, newcomer, now)
         mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
         per_step = snapshot.prefill_cap
-        if any(r.past_saving for r in ranks):
-            per_step = savable_tokens_per_step(rules, per_step)
-        prefill_s = 0.0
+        if not mine.past_saving and any(r.past_saving for r in ranks):
+            per_step = savable_tokens_per_step(rules, per_step)  # the late ones keep their reserve
+        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step)
+        prefill_s = own_s
         if ahead:
             prefill_s = self.timer.estimate_s(ahead + num_prompt_tokens, snapshot.num_running, per_step)
         if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
-            return prefill_s  # room in the batch for everyone queued and the newcomer
+            return Wait(prefill_s, own_s)  # room in the batch for everyone queued and the newcomer
         # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
         # slot is theirs).
         queued = sum(1 for r in ranks if r < mine or r.past_saving)
         slot_s = self._slot_wait_s(snapshot, max(queued - snapshot.running_prefills, 0))
-        if slot_s == 0.0:
-            return prefill_s
-        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step)
-        return max(prefill_s, slot_s + own_s)
+        return Wait(max(prefill_s, slot_s + own_s), own_s)
 
     def _slot_wait_s(self, snapshot: QueueSnapshot, queued_ahead: int) -> float:
         """Seconds until a sequence slot is free for a newcomer behind `queued_ahead` queued requests:

@@ -119,9 +119,9 @@ def register(subparsers: Any) -> None:
     s.add_argument(
         "--urgent-slack",
         type=float,
-        default=0.25,
+        default=1.0,
         help="slo: a prompt goes earliest-deadline-first once its slack is under this share of its "
-        "TTFT target, shortest (prompt x target) first before (1: deadline order for all)",
+        "TTFT target, shortest (prompt x target) first before (1, the default: deadline order for all)",
     )
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

@@ -1,0 +1,162 @@
+"""A scripted engine in virtual time: the real scheduler, wait model and admission, no model.
+
+Each step costs what a `StepCost` says (a fixed part, a price per decode row and per prompt token,
+and one per prompt token per token of context it attends to, since prompt attention grows with
+the context), the virtual clock advances by it, and admission decides on the wait model's quote as
+the server does (`Admission.admit(WaitQuote)`). A request is admitted or refused at its arrival
+time, between steps; its first token comes at the end of the step that finishes its prompt.
+Nothing here reads a wall clock, so tests can assert what admission promised against what happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tailserve.config import EngineConfig, SchedulerConfig
+from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.quote import WaitQuote
+from tailserve.engine.request import Request, RequestTimings, SamplingParams, ttft_target_s
+from tailserve.engine.scheduler import Scheduler, StepPlan
+from tailserve.engine.stats import EngineStats, StepTimer
+from tailserve.engine.wait_model import WaitModel
+from tailserve.errors import RequestRejectedError
+from tailserve.server.admission import Admission, Ticket, WaitCorrection
+
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step."""
+
+    fixed: float = 0.006
+    per_row: float = 0.0014  # per decode row
+    prompt_fixed: float = 0.011  # once, if the step carries prompt tokens
+    per_token: float = 0.00075  # per prompt token
+    per_pair: float = 0.0  # per prompt token per context token it attends to (its position + 1)
+
+    def __call__(self, plan: StepPlan) -> float:
+        tokens = plan.num_prefill_tokens
+        pairs = sum(
+            n * req.num_computed_tokens + n * (n + 1) // 2 for req, n in plan.scheduled[plan.num_decodes :]
+        )
+        prompt = self.prompt_fixed + self.per_token * tokens + self.per_pair * pairs if tokens else 0.0
+        return self.fixed + self.per_row * plan.num_decodes + prompt
+
+
+@dataclass
+class Outcome:
+    """One request: what admission said on arrival and what happened."""
+
+    arrival: float
+    prompt: int
+    output: int
+    admitted: bool = False
+    queued: bool = False  # work was predicted ahead of it
+    estimate_s: float = 0.0  # admission's predicted TTFT (the engine's times the correction)
+    alone_s: float = 0.0  # its own prefill as predicted
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def missed(self, target_s: float) -> bool:
+        return self.ttft_s is not None and self.ttft_s > target_s
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _EngineView:
+    """What Admission reads of an engine: its config and its waiting count."""
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler) -> None:
+        self.config = config
+        self._scheduler = scheduler
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self._scheduler.running), len(self._scheduler.waiting), 0, 0, 0, 0, 0, 0)
+
+
+class VirtualServer:
+    """Admission in front of the scheduler, stepping in virtual time (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, cost: StepCost, correction: bool = True) -> None:
+        self.config = config
+        self.cost = cost
+        self.clock = _Clock()
+        self.timer = StepTimer(budget_tokens=config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            config, KVCacheManager(100_000, BLOCK, enable_prefix_caching=False), self.timer
+        )
+        self.wait_model = WaitModel(self.scheduler.policy, self.timer, config.slo_ttft_s)
+        view = _EngineView(EngineConfig(scheduler=config), self.scheduler)
+        self.admission = Admission(view, WaitCorrection(enabled=correction, clock=self.clock))  # type: ignore[arg-type]
+        self.admission.ready = True
+        self._live: dict[str, tuple[Request, Outcome, Ticket]] = {}
+        self._seq = 0
+
+    def warm(self, prompt_tokens: int = 256) -> None:
+        """What a server's warm-up leaves: one prompt served alone, then a few decode steps."""
+        self.run([(self.clock.now, prompt_tokens, 4)])
+
+    def run(self, arrivals: Sequence[tuple[float, int, int]]) -> list[Outcome]:
+        """Offer each (time, prompt tokens, output tokens), sorted by time, and step until all end."""
+        outcomes: list[Outcome] = []
+        pending = list(arrivals)
+        while pending or self.scheduler.num_unfinished:
+            while pending and pending[0][0] <= self.clock.now:
+                outcomes.append(self._offer(*pending.pop(0)))
+            plan = self.scheduler.step_plan(self.clock.now)
+            if not plan.scheduled:
+                assert pending, "the scheduler planned nothing with requests left"
+                self.clock.now = pending[0][0]
+                continue
+            seconds = self.cost(plan)
+            self.clock.now += seconds
+            self.timer.record(plan, seconds)
+            self.scheduler.postprocess(plan)
+            self._emit(plan)
+        return outcomes
+
+    def _offer(self, arrival: float, prompt: int, output: int) -> Outcome:
+        outcome = Outcome(arrival, prompt, output)
+        ttft_s = ttft_target_s(None, self.config.slo_ttft_s)
+        snapshot = self.scheduler.queue_snapshot(self.clock.now)
+        wait = self.wait_model.estimate(prompt, snapshot, self.clock.now, ttft_s)
+        try:
+            ticket = self.admission.admit(WaitQuote(prompt, ttft_s, wait.ttft_s, wait.alone_s))
+        except RequestRejectedError:
+            return outcome
+        outcome.admitted, outcome.queued = True, wait.queued
+        outcome.estimate_s, outcome.alone_s = ticket.estimate_s, wait.alone_s
+        name = f"r{self._seq}"
+        ids = [(self._seq * 31 + j) % 5000 + 1 for j in range(prompt)]
+        params = SamplingParams(max_tokens=output, ignore_eos=True)
+        request = Request(name, ids, params, RequestTimings(arrival=arrival), seq_no=self._seq)
+        self._seq += 1
+        self.scheduler.add(request)
+        self._live[name] = (request, outcome, ticket)
+        return outcome
+
+    def _emit(self, plan: StepPlan) -> None:
+        now = self.clock.now
+        for req, _ in plan.scheduled:
+            if req.num_computed_tokens < len(req.token_ids):
+                continue  # a prompt chunk that does not end the prompt: no token yet
+            req.token_ids.append(1)
+            _, outcome, ticket = self._live[req.request_id]
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+                outcome.ttft_s = now - outcome.arrival
+                ticket.started()
+            req.timings.token_times.append(now)
+            if req.num_output_tokens >= outcome.output:
+                self.scheduler.finish(req, "length")
+                ticket.done()
+                outcome.tpot_s = (now - req.timings.first_token) / max(outcome.output - 1, 1)
+                del self._live[req.request_id]
