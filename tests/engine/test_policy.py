@@ -139,13 +139,13 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     assert slo.prefill_cap(fresh, budget=1000, now=now) in (459, 460)  # float rounding
     # TPOT is a mean over the whole output: a fresh stream with 100 tokens to go (this step's gap, then
     # 99 more at the recent step time, 7.8 ms, an EWMA of the three steps) has 100 x 0.05 - 99 x
-    # 0.0078 = 4.2 s of room; one step may take 4 x the target of it.
+    # 0.0078 = 4.2 s of room; one step may take 2 x the target of it (an ITL bound).
     long_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=101)]
     assert abs(timer.recent_step_s() - 0.0078) < 1e-9
-    assert abs(slo.step_budget_s(long_fresh, now) - 0.2) < 1e-12
-    # With 3 tokens to go: 3 x 0.05 - 2 x 0.0078 = 0.1344 s.
-    short_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=4)]
-    assert abs(slo.step_budget_s(short_fresh, now) - 0.1344) < 1e-12
+    assert abs(slo.step_budget_s(long_fresh, now) - 0.1) < 1e-12
+    # With 2 tokens to go: 2 x 0.05 - 1 x 0.0078 = 0.0922 s, under the bound.
+    short_fresh = [_decoding(k=1, elapsed_s=0.0, now=now, max_tokens=3)]
+    assert abs(slo.step_budget_s(short_fresh, now) - 0.0922) < 1e-12
     # Where steps run above the target, the remaining gaps are priced at the target: the room is
     # what the stream banked so far (the target here), as if nothing were left.
     slow = StepTimer(budget_tokens=256)
@@ -155,10 +155,10 @@ def test_slo_policy_orders_and_estimates_as_documented() -> None:
     expected_short = SloPolicy(config, timer, block_size=16, tokens_left=lambda r: 1)
     assert expected_short.step_budget_s(long_fresh, now) == 0.05
     # Streams that ran ahead of the target lend the time: 20 tokens in 0.2 s banked 0.8 s, but one
-    # step may take at most 4 x 50 ms: (0.2 - 0.004) / 0.0001 = 1960 prompt tokens.
+    # step may take at most 2 x 50 ms: (0.1 - 0.004) / 0.0001 = 960 prompt tokens.
     ahead = [_decoding(k=20, elapsed_s=0.2, now=now)]
-    assert slo.step_budget_s(ahead, now) == 0.2
-    assert slo.prefill_cap(ahead, budget=4096, now=now) in (1959, 1960)
+    assert slo.step_budget_s(ahead, now) == 0.1
+    assert slo.prefill_cap(ahead, budget=2048, now=now) in (959, 960)
     # A stream already behind its target gets no more than one target's worth of step.
     behind = ahead + [_decoding(k=10, elapsed_s=1.0, now=now)]
     assert slo.step_budget_s(behind, now) == 0.05

@@ -11,7 +11,7 @@ Nothing here reads a wall clock, so tests can assert what admission promised aga
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tailserve.config import EngineConfig, SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
@@ -58,6 +58,7 @@ class Outcome:
     alone_s: float = 0.0  # its own prefill as predicted
     ttft_s: float | None = None
     tpot_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # between its output tokens (ITL)
 
     def missed(self, target_s: float) -> bool:
         return self.ttft_s is not None and self.ttft_s > target_s
@@ -154,6 +155,8 @@ class VirtualServer:
                 req.timings.first_token = now
                 outcome.ttft_s = now - outcome.arrival
                 ticket.started()
+            if req.timings.token_times:
+                outcome.gaps_s.append(now - req.timings.token_times[-1])
             req.timings.token_times.append(now)
             if req.num_output_tokens >= outcome.output:
                 self.scheduler.finish(req, "length")
