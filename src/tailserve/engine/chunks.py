@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from tailserve.engine.request import Request, SamplingParams, TokenLogprob
+from tailserve.engine.scheduler import StepPlan
+from tailserve.engine.structured import GrammarCache
 from tailserve.executor.runner import SeqChunk
 from tailserve.model.sampler import SamplingSpec, TokenScore
 
@@ -29,6 +31,21 @@ _params_settings = operator.attrgetter(*PARAMS_FIELDS)
 def samples_next(req: Request, n: int) -> bool:
     """Running n more tokens reaches the request's last known token: the step samples its next one."""
     return req.num_computed_tokens + n == len(req.token_ids)
+
+
+def step_chunks(plan: StepPlan, eos_ids: Iterable[int], grammars: GrammarCache) -> list[SeqChunk]:
+    """The plan's chunks in its order; the requests that sample under a grammar this step get their
+    allowed-token bitmask (one tensor for all)."""
+    sampling = {
+        i: g
+        for i, (req, n) in enumerate(plan.scheduled)
+        if (g := req.grammar) is not None and samples_next(req, n)
+    }
+    masks = dict(zip(sampling, grammars.bitmask(list(sampling.values())), strict=True)) if sampling else {}
+    return [
+        seq_chunk(req, n, table, i < plan.num_decodes, eos_ids, masks.get(i))
+        for i, ((req, n), table) in enumerate(zip(plan.scheduled, plan.block_tables, strict=True))
+    ]
 
 
 def seq_chunk(
@@ -74,11 +91,16 @@ def sampling_spec(req: Request, eos_ids: Iterable[int], bitmask: torch.Tensor | 
     )
 
 
-def record_prompt_logprobs(req: Request, chunk: SeqChunk, scores: list[TokenScore]) -> None:
-    """The chunk's prompt scores into the request: entry i scores prompt token i + 1; a chunk
+def record_prompt_logprobs(
+    scheduled: list[tuple[Request, int]],
+    chunks: list[SeqChunk],
+    prompt_scores: Sequence[list[TokenScore] | None],
+) -> None:
+    """Each chunk's prompt scores into its request: entry i scores prompt token i + 1; a chunk
     recomputed after preemption overwrites its own."""
-    c = chunk.start_pos
-    if c > len(req.prompt_logprobs):
-        return
-    scored = zip(chunk.prompt_targets, scores, strict=True)
-    req.prompt_logprobs[c:] = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in scored]
+    for (req, _), chunk, scores in zip(scheduled, chunks, prompt_scores, strict=True):
+        c = chunk.start_pos
+        if scores is None or c > len(req.prompt_logprobs):
+            continue
+        scored = zip(chunk.prompt_targets, scores, strict=True)
+        req.prompt_logprobs[c:] = [TokenLogprob(t, lp, tuple(top)) for t, (lp, top) in scored]

@@ -1,15 +1,14 @@
 """LLMEngine: the synchronous step loop. Add requests, call step(), collect outputs.
 
 One step = the scheduler's plan, the model runner once, the scheduler's post-step bookkeeping, then
-sampled tokens through the output processor. It is glue: the runner is built in `model.builder`,
-the KV cache belongs to the scheduler, stop rules and text to `engine.outputs`.
+sampled tokens through the output processor. It is glue: the runner is built in `executor.builder`, the
+KV cache belongs to the scheduler, stop rules and text to `engine.outputs`, siblings to `engine.forks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Sequence
 
@@ -18,7 +17,8 @@ import torch
 from tailserve.config import EngineConfig
 from tailserve.engine.block_keys import BlockKeys
 from tailserve.engine.block_manager import KVCacheManager
-from tailserve.engine.chunks import record_prompt_logprobs, samples_next, seq_chunk
+from tailserve.engine.chunks import record_prompt_logprobs, step_chunks
+from tailserve.engine.forks import ForkWaitlist
 from tailserve.engine.outputs import OutputProcessor
 from tailserve.engine.request import (
     Request,
@@ -40,8 +40,6 @@ from tailserve.executor.builder import build_runner
 from tailserve.quality.gate import choose_weight_format
 from tailserve.weights.loader import LoadedModel
 from tailserve.weights.tokenizer import IncrementalDetokenizer
-
-log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -80,7 +78,7 @@ class LLMEngine:
         self.step_stats = StepStats(time.monotonic())
         self._requests: dict[str, Request] = {}
         self._seq = itertools.count()
-        self._forks: dict[str, list[Request]] = {}  # parent id -> requests waiting to share its prompt
+        self.forks = ForkWaitlist(self.scheduler)  # siblings (n > 1) waiting to share a prompt
         self._rng = torch.Generator().manual_seed(config.model.seed)
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
 
@@ -101,11 +99,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         check_limits(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
         self.scheduler.check_fits_pool(len(prompt_token_ids) + params.max_tokens)
-        seed = (
-            params.seed
-            if params.seed is not None
-            else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        )
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -114,34 +110,19 @@ class LLMEngine:
             seq_no=next(self._seq),
             generator=torch.Generator().manual_seed(seed),
             slo=slo,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            grammar=None if params.grammar is None else self.grammars.matcher(params.grammar),
         )
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
-        if params.grammar is not None:  # compiled already when the server sent it (else: compiled now)
-            req.grammar = self.grammars.matcher(params.grammar)
         self._requests[request_id] = req
-        parent = self._requests.get(fork_of or "")
-        if (
-            parent is not None
-            and parent is not req
-            and parent.prompt_token_ids == req.prompt_token_ids
-            and parent.params.cache_salt == params.cache_salt  # (it shares the parent's blocks)
-        ):
-            self._forks.setdefault(parent.request_id, []).append(req)
-        else:
-            self.scheduler.add(req)
+        self.forks.add(req, self._requests.get(fork_of or ""))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; None if it is unknown or done."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
-        self._release_forks(req)
-        for waiting in self._forks.values():
-            if req in waiting:
-                waiting.remove(req)
-        self.scheduler.finish(req, "abort")
-        req.timings.finish = time.monotonic()
-        return self.outputs.output(req, [], finished=True)
+        self.forks.forget(req)
+        return self._finish(req, "abort", time.monotonic(), [])
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every unfinished request (the step loop is going away)."""
@@ -158,84 +139,41 @@ class LLMEngine:
         self.last_plan = plan
         if not plan.scheduled:
             return []
-        masks = self._grammar_masks(plan)
-        chunks = [
-            seq_chunk(req, n, table, i < plan.num_decodes, self.tokenizer.eos_token_ids, masks.get(i))
-            for i, ((req, n), table) in enumerate(zip(plan.scheduled, plan.block_tables, strict=True))
-        ]
+        chunks = step_chunks(plan, self.tokenizer.eos_token_ids, self.grammars)
         start = time.monotonic()
         result = self.runner.execute(chunks)
         now = time.monotonic()
-        for (req, _), chunk, scores in zip(plan.scheduled, chunks, result.prompt_scores, strict=True):
-            if scores is not None:
-                record_prompt_logprobs(req, chunk, scores)
+        record_prompt_logprobs(plan.scheduled, chunks, result.prompt_scores)
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
-        for req, _ in plan.scheduled:
-            if req.request_id in self._forks and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._fork_prompt(req, now)
+        self.forks.start(plan.scheduled, now)
         outputs: list[RequestOutput] = []
         for (req, _), token, score in zip(plan.scheduled, result.tokens, result.logprobs, strict=True):
             if token is None:
                 continue
-            if req.params.max_tokens == 0:  # the prompt only (scored for echo): nothing is generated
-                outputs.append(self._finish_prompt_only(req, now))
+            if req.params.max_tokens == 0:  # the prompt only (scored for echo): the sampled token is dropped
+                outputs.append(self._finish(req, "length", now, []))
                 continue
             if score is not None:
                 req.logprobs.append(TokenLogprob(token, score[0], tuple(score[1])))
-            rejected = req.grammar is not None and not req.grammar.accept(token)
-            if rejected:
-                # The bitmask allows only tokens the grammar accepts: reaching here is a mask bug, so
-                # say so loudly rather than let a broken output pass as a normal stop.
-                log.error(
-                    "request %s: sampled token %d outside its grammar; stopping it", req.request_id, token
-                )
-            done = req.grammar is not None and (rejected or req.grammar.terminated)
             reason = self.outputs.append_token(req, token, now)
-            if reason is None and done:  # the grammar is complete (its end token was the last taken)
-                reason = "stop"
-            if reason is not None:
-                self._release_forks(req)
-                self.scheduler.finish(req, reason)
-                req.timings.finish = now
-                self._requests.pop(req.request_id, None)
-            outputs.append(self.outputs.output(req, [token], finished=reason is not None))
+            if reason is None:
+                outputs.append(self.outputs.output(req, [token], finished=False))
+            else:
+                outputs.append(self._finish(req, reason, now, [token]))
         kind = step_kind(plan.num_decodes, len(plan.scheduled))
         self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
         if self.runner.tp is not None:
             self.step_stats.record_tensor_parallel(kind, self.runner.last_comm_s, self.runner.last_compute_s)
         return outputs
 
-    def _grammar_masks(self, plan: StepPlan) -> dict[int, torch.Tensor]:
-        """The allowed-token bitmask of each request that samples under a grammar this step, by its
-        place in the plan (one tensor for all)."""
-        grammars = {
-            i: g
-            for i, (req, n) in enumerate(plan.scheduled)
-            if (g := req.grammar) is not None and samples_next(req, n)
-        }
-        if not grammars:
-            return {}
-        return dict(zip(grammars, self.grammars.bitmask(list(grammars.values())), strict=True))
-
-    def _finish_prompt_only(self, req: Request, now: float) -> RequestOutput:
-        """max_tokens=0: the prompt is computed (and scored); the sampled token is dropped."""
-        self._release_forks(req)
-        self.scheduler.finish(req, "length")
+    def _finish(self, req: Request, reason: str, now: float, new_ids: list[int]) -> RequestOutput:
+        """End the request for `reason`: its waiting siblings queue on their own, its blocks go back."""
+        self.forks.release(req)
+        self.scheduler.finish(req, reason)
         req.timings.finish = now
         self._requests.pop(req.request_id, None)
-        return self.outputs.output(req, [], finished=True)
-
-    def _fork_prompt(self, parent: Request, now: float) -> None:
-        """The parent's prompt is computed: its waiting siblings start on its blocks (`Scheduler.fork`)."""
-        for child in self._forks.pop(parent.request_id, []):
-            child.prompt_logprobs = list(parent.prompt_logprobs)  # same prompt, same scores
-            self.scheduler.fork(parent, child, now)
-
-    def _release_forks(self, parent: Request) -> None:
-        """The parent ends before its prompt was shared: its siblings queue as ordinary requests."""
-        for child in self._forks.pop(parent.request_id, []):
-            self.scheduler.add(child)
+        return self.outputs.output(req, new_ids, finished=True)
 
     # ----- what the server reads -------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -260,10 +198,3 @@ class LLMEngine:
         call it on the thread that runs the steps."""
         budget = self.config.scheduler.max_num_batched_tokens
         return warmup.warm_runner(self.runner, budget, self.primitive_cache)
-
-    def estimate_wait_s(
-        self, num_prompt_tokens: int, snapshot: QueueSnapshot | None = None, ttft_s: float | None = None
-    ) -> float:
-        """Predicted time to a new request's first token, `ttft_s` its own target (see `WaitModel.estimate_s`)."""
-        snap = snapshot or self.queue_snapshot()
-        return self.wait_model.estimate_s(num_prompt_tokens, snap, time.monotonic(), ttft_s)

@@ -6,8 +6,12 @@ and which text may be released; it never touches the scheduler or the KV cache.
 
 from __future__ import annotations
 
+import logging
+
 from tailserve.engine.request import Request, RequestOutput
 from tailserve.weights.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -18,7 +22,9 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def append_token(self, req: Request, token: int, now: float) -> str | None:
-        """Record the token; return the finish reason ("stop" / "length") or None to go on."""
+        """Record the token; return the finish reason ("stop" / "length") or None to go on. A complete
+        grammar stops the request (its end token was the last taken)."""
+        grammar_done = req.grammar is not None and (_rejected(req, token) or req.grammar.terminated)
         p = req.params
         req.token_ids.append(token)
         t = req.timings
@@ -35,7 +41,7 @@ class OutputProcessor:
             return "stop"
         if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
             return "length"
-        return None
+        return "stop" if grammar_done else None
 
     @staticmethod
     def output(req: Request, new_ids: list[int], finished: bool) -> RequestOutput:
@@ -69,4 +75,15 @@ def _cut_at_stop(req: Request) -> bool:
     if not hits:
         return False
     req.text = req.text[: min(hits)]
+    return True
+
+
+def _rejected(req: Request, token: int) -> bool:
+    """Feed the token to the request's grammar; True if it refuses it. The bitmask allows only tokens
+    the grammar accepts: a refusal is a mask bug, so say so loudly rather than let a broken output
+    pass as a normal stop."""
+    assert req.grammar is not None
+    if req.grammar.accept(token):
+        return False
+    log.error("request %s: sampled token %d outside its grammar; stopping it", req.request_id, token)
     return True
