@@ -245,6 +245,10 @@ def test_chat_max_tokens_default_and_alias() -> None:
     assert "max_completion_tokens" in info.value.message
     with pytest.raises(ContextLengthExceededError):
         sampling_params(chat(), 100, 100, 1024)
+    with pytest.raises(ContextLengthExceededError) as too_long:  # the context's rule, in the client's name
+        sampling_params(chat(max_completion_tokens=80), 30, 100, 1024)
+    assert too_long.value.param == "max_completion_tokens"
+    assert "lower max_completion_tokens to at most 70" in too_long.value.message
 
 
 def test_value_ranges_come_from_sampling_params() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 from tailserve.weights.tokenizer import IncrementalDetokenizer
@@ -102,17 +102,9 @@ class SamplingParams:
         )
         _check(_finite(self.top_p), "top_p must be a number", "top_p")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check(
-            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
-            "top_k must be an integer",
-            "top_k",
-        )
+        _check(_is_int(self.top_k), "top_k must be an integer", "top_k")
         _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
-        _check(
-            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-            "seed must be an integer",
-            "seed",
-        )
+        _check(self.seed is None or _is_int(self.seed), "seed must be an integer", "seed")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", "stop")
         _check(len(self.stop) <= 16, "at most 16 stop sequences", "stop")
         _check(
@@ -130,42 +122,24 @@ class SamplingParams:
             "repetition_penalty",
         )
         _check(
-            all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _finite(b) and -100 <= b <= 100
-                for t, b in self.logit_bias
-            ),
+            all(_is_int(t) and t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
             "logit_bias maps token ids to biases in [-100, 100]",
             "logit_bias",
         )
         # Each token once (a repeated id keeps its last bias): the sampler adds every pair it is given.
         object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
         _check(
-            isinstance(self.min_tokens, int)
-            and not isinstance(self.min_tokens, bool)
-            and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             "min_tokens must be a non-negative integer",
             "min_tokens",
         )
-        _check(
-            self.logprobs is None
-            or (
-                isinstance(self.logprobs, int)
-                and not isinstance(self.logprobs, bool)
-                and 0 <= self.logprobs <= 20
-            ),
-            f"logprobs must be an integer in [0, 20], got {self.logprobs}",
-            "logprobs",
-        )
-        _check(
-            self.prompt_logprobs is None
-            or (
-                isinstance(self.prompt_logprobs, int)
-                and not isinstance(self.prompt_logprobs, bool)
-                and 0 <= self.prompt_logprobs <= 20
-            ),
-            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}",
-            "prompt_logprobs",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            top = getattr(self, name)
+            _check(
+                top is None or (_is_int(top) and 0 <= top <= 20),
+                f"{name} must be an integer in [0, 20], got {top}",
+                name,
+            )
         _check(
             self.cache_salt is None
             or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
@@ -184,16 +158,29 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def check_max_tokens(max_tokens: object, scores_prompt: bool, name: str = "max_tokens") -> None:
+def check_max_tokens(
+    max_tokens: object, scores_prompt: bool, name: str = "max_tokens", fit: tuple[int, int] | None = None
+) -> None:
     """The rule for max_tokens, stated once: an integer, at least 1, or 0 when the request only scores
-    its prompt (prompt logprobs). `name`: the field the caller sent it as, which the error names."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+    its prompt (prompt logprobs); with `fit` (prompt tokens, context), the prompt and max_tokens fit
+    the context (a prompt that fills it alone is the prompt's error, not this one). `name`: the field
+    the caller sent it as, which the error names."""
+    if not _is_int(max_tokens):
         raise InvalidRequestError(f"'{name}' must be an integer", param=name)
     _check(
         max_tokens >= 1 or (max_tokens == 0 and scores_prompt),
         f"'{name}' must be at least 1 (0 only to score the prompt, with echo), got {max_tokens}",
         name,
     )
+    if fit is None:
+        return
+    n, context = fit
+    if n < context < n + max_tokens:
+        raise ContextLengthExceededError(
+            f"prompt ({n} tokens) + {name} ({max_tokens}) exceeds the context of "
+            f"{context} tokens: lower {name} to at most {context - n}",
+            param=name,
+        )
 
 
 def check_limits(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, context: int) -> None:
@@ -213,16 +200,16 @@ def check_limits(prompt_token_ids: list[int], params: SamplingParams, vocab_size
             f"(prompt plus at least one generated token must fit): shorten the prompt",
             param="prompt",
         )
-    if n + params.max_tokens > context:
-        raise ContextLengthExceededError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-            f"{context} tokens: lower max_tokens to at most {context - n}",
-            param="max_tokens",
-        )
+    check_max_tokens(params.max_tokens, params.prompt_logprobs is not None, fit=(n, context))
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: object) -> TypeGuard[int]:
+    """An int that is not a bool (JSON's true is no token count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check(ok: bool, message: str, param: str) -> None:

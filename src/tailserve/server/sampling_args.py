@@ -52,7 +52,8 @@ def sampling_params(
                 message, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             )
     prompt_logprobs = _prompt_logprobs(req, max_tokens)
-    check_max_tokens(max_tokens, prompt_logprobs is not None, max_param)  # in the client's name
+    # In the client's name, with the context it must fit (the engine checks a prompt too long alone).
+    check_max_tokens(max_tokens, prompt_logprobs is not None, max_param, fit=(prompt_len, max_model_len))
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise InvalidRequestError(
             f"Invalid value for 'seed': must be in [-2**63, 2**64 - 1], got a {req.seed.bit_length()}-bit number",
