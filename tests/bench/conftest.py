@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tailserve.bench.app import run_once, settings_from_args
+from tailserve.bench.app import run_once
 from tailserve.bench.corpus import PromptSource
 from tailserve.bench.records import RequestRecord
+from tailserve.bench.settings import settings_from_args
 from tailserve.bench.tokenizers import load_tokenizer
 from tailserve.cli import build_parser
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tailserve.bench.app import run_once, settings_from_args
+from tailserve.bench.app import run_once
 from tailserve.bench.calibration import calibrate, calibration_lengths, fit_line
 from tailserve.bench.corpus import PromptSource
 from tailserve.bench.lengths import parse_length_dist
+from tailserve.bench.settings import settings_from_args
 from tailserve.bench.summary import format_summary
 from tailserve.bench.tokenizers import load_tokenizer
 from tailserve.cli import build_parser, main

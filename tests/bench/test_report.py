@@ -19,8 +19,9 @@ from tailserve.bench.capacity_search import (
     point_from_result,
 )
 from tailserve.bench.client import TargetConfig
+from tailserve.bench.client_health import ClientHealth
 from tailserve.bench.html_report import cdf_points, render_html
-from tailserve.bench.load_loop import ClientHealth, RunControl, RunOutcome
+from tailserve.bench.load_loop import RunControl, RunOutcome
 from tailserve.bench.records import RequestRecord
 from tailserve.bench.result import BenchSettings, build_result, load_result, write_json
 from tailserve.bench.stats import SloTargets

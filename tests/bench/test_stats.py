@@ -189,7 +189,7 @@ def test_attribution_of_the_slowest_percent() -> None:
 def test_client_health_verdict_uses_the_event_loop_lag() -> None:
     """A loop that wakes 20 ms late inflates every chunk time by that much: the verdict must say so,
     with how much of each percentile could be client delay."""
-    from tailserve.bench.load_loop import client_health
+    from tailserve.bench.client_health import client_health
 
     calm = client_health([], [0.0005] * 99 + [0.001], 0.2, None)
     assert not calm.bottleneck and not calm.notes

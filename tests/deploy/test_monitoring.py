@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tailserve.plan.doctor import CLOCK_EVENT_LABELS, DCGM_WATCH
+from tailserve.plan.dcgm import CLOCK_EVENT_LABELS, DCGM_WATCH
 from tests.deploy.contract import (
     ALERTS,
     DASHBOARD,

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tailserve.plan.doctor import CLOCK_EVENT_LABELS, diagnose, render_text, run_doctor, to_json_dict
+from tailserve.plan.dcgm import CLOCK_EVENT_LABELS
+from tailserve.plan.doctor import diagnose, render_text, run_doctor, to_json_dict
 from tailserve.plan.probe import THROTTLE_REASONS, HostView, parse_cpulist, probe_gpus, read_host
 
 

@@ -8,52 +8,17 @@ dashboards speak the same language.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
+from tailserve.plan.dcgm import dcgm_watch
 from tailserve.plan.probe import GpuView, HostView, NvmlProbe, import_nvml, probe_gpus, read_host
 
 SEVERITY_ORDER = ("critical", "warn", "info", "ok")
 LOW_CLOCK_RATIO = 0.5  # below half the max clock, a busy GPU is being held back
 SLOWDOWN_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
-)
-# The dcgm-exporter fields (deploy/dcgm/counters.csv turns them on) that watch each GPU check.
-DCGM_WATCH: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {
-        "clocks": (
-            "DCGM_FI_DEV_SM_CLOCK",
-            "DCGM_FI_DEV_MAX_SM_CLOCK",
-            "DCGM_FI_DEV_MEM_CLOCK",
-            "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
-            "DCGM_EXP_CLOCK_EVENTS_COUNT",
-            "DCGM_FI_DEV_GPU_TEMP",
-        ),
-        "ecc": ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"),
-        "pcie": (
-            "DCGM_FI_PROF_PCIE_TX_BYTES",
-            "DCGM_FI_PROF_PCIE_RX_BYTES",
-            "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
-        ),
-        "mig": ("DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_DEV_FB_USED"),
-    }
-)
-# NVML's reason names (probe.THROTTLE_REASONS) as the exporter's clock_event label spells them.
-CLOCK_EVENT_LABELS: Mapping[str, str] = MappingProxyType(
-    {
-        "gpu_idle": "gpu_idle",
-        "applications_clocks_setting": "clocks_setting",
-        "sw_power_cap": "power_cap",
-        "hw_slowdown": "hw_slowdown",
-        "sync_boost": "sync_boost",
-        "sw_thermal_slowdown": "sw_thermal",
-        "hw_thermal_slowdown": "hw_thermal",
-        "hw_power_brake_slowdown": "hw_power_brake",
-        "display_clock_setting": "display_clocks",
-    }
 )
 
 
@@ -88,16 +53,6 @@ def _cpus(cpus: frozenset[int]) -> str:
         else:
             runs.append([cpu, cpu])
     return ",".join(f"{first}-{last}" if first != last else str(first) for first, last in runs) or "none"
-
-
-def dcgm_watch(check: str, gpu: GpuView) -> tuple[str, ...]:
-    """The dcgm-exporter series for a GPU check; the clock events narrowed to the reasons NVML gave."""
-    fields = DCGM_WATCH.get(check, ())
-    events = [CLOCK_EVENT_LABELS[r] for r in gpu.throttle_reasons or () if r in CLOCK_EVENT_LABELS]
-    if check != "clocks" or not events:
-        return fields
-    selector = f'{{clock_event=~"{"|".join(events)}"}}'
-    return tuple(f + selector if f == "DCGM_EXP_CLOCK_EVENTS_COUNT" else f for f in fields)
 
 
 def check_gpu_presence(host: HostView, nvml: NvmlProbe) -> Finding:
