@@ -114,7 +114,8 @@ class Serving:
         salt = req.cache_salt
         if self._cache_salt_from_api_key and api_key is not None:
             salt = api_key_cache_salt(api_key, salt)
-        # Engine limits (context, vocabulary, KV pool) are checked once, by the engine's add_request.
+        # Engine limits (context, vocabulary, KV pool) are checked by the engine's add_request; the
+        # max_tokens rule (check_max_tokens) first here, in the name the client sent it as.
         limit, default = self._engine.max_model_len, self._max_tokens_default
         all_params = [
             sampling_params(req, len(ids), limit, default, self._defaults, cache_salt=salt) for ids in prompts
