@@ -5,9 +5,15 @@ Configs are plain values: building one never loads a model or touches a device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, TypeVar
 
 from tailserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 SCHEDULE_POLICIES = ("fcfs", "slo")
 DTYPES = ("auto", "float32", "bfloat16")  # deprecated alias of --weight-format (fp32 / bf16)
@@ -175,3 +181,11 @@ def parse_bytes(text: str) -> int:
     if unit not in units or value <= 0:
         raise ConfigError(f"not a byte size: {text!r} (try 2GiB or 536870912)")
     return int(value * units[unit])
+
+
+def from_flags(config: type[C], args: object, **given: object) -> C:
+    """A config from parsed command-line flags, each named after its field (--max-num-seqs:
+    max_num_seqs); `given`: the fields whose flag is spelled otherwise or needs converting. A field
+    with neither keeps its default (`generate` has fewer flags than `serve`)."""
+    names = [f.name for f in fields(config) if f.name not in given and hasattr(args, f.name)]
+    return config(**{name: getattr(args, name) for name in names}, **given)

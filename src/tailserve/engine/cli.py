@@ -35,27 +35,15 @@ def register(subparsers: Any) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import logging
 
+    from tailserve.config import EngineConfig, ModelConfig, from_flags
     from tailserve.engine import LLM, SamplingParams
     from tailserve.errors import TailserveError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
-        llm = LLM(
-            args.model,
-            weight_format=args.weight_format,
-            kv_cache_dtype=args.kv_cache_dtype,
-            force_weight_format=args.force_weight_format,
-            dtype=args.dtype,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        params = from_flags(SamplingParams, args)
+        # --seed seeds the sampling here; ModelConfig's seed is the dummy weights'.
+        llm = LLM(config=EngineConfig(model=from_flags(ModelConfig, args, seed=ModelConfig.seed)))
         try:
             outputs = llm.generate(args.prompts, params, chat=args.chat)
         finally:

@@ -23,6 +23,7 @@ from tailserve.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    from_flags,
     parse_bytes,
 )
 from tailserve.errors import ConfigError, ModelLoadError
@@ -169,53 +170,32 @@ def register(subparsers: Any) -> None:
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Both configs from parsed flags; ConfigError names the flag to fix."""
     engine = EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            weight_format=args.weight_format,
-            kv_cache_dtype=args.kv_cache_dtype,
-            force_weight_format=args.force_weight_format,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            served_model_name=args.served_model_name,
-            enforce_eager=args.enforce_eager,
-            num_threads=args.num_threads,
-            tensor_parallel_size=args.tensor_parallel_size,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
+        model=from_flags(ModelConfig, args),
+        cache=from_flags(
+            CacheConfig,
+            args,
             kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
-            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching,
-            prefix_cache_seed=args.prefix_cache_seed,
         ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
+        scheduler=from_flags(
+            SchedulerConfig,
+            args,
             policy=args.schedule_policy,
-            max_waiting=args.max_waiting,
             slo_ttft_s=args.slo_ttft,
             slo_tpot_s=args.slo_tpot,
-            prefill_floor=args.prefill_floor,
-            past_saving_share=args.past_saving_share,
-            urgent_slack=args.urgent_slack,
         ),
     )
-    scheduler = engine.scheduler
-    slo_classes = SloClasses.load(args.slo_classes, scheduler) if args.slo_classes else None
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
+    slo_classes = SloClasses.load(args.slo_classes, engine.scheduler) if args.slo_classes else None
+    server = from_flags(
+        ServerConfig,
+        args,
         api_key=args.api_key or None,
         max_body_bytes=parse_bytes(args.max_body_bytes),
         drain_timeout_s=args.drain_timeout,
-        log_level=args.log_level,
-        max_tokens_default=args.max_tokens_default,
         warmup=not args.no_warmup,
         slo_classes=slo_classes,
         switch_interval_s=args.switch_interval_ms / 1000,
         admission_correction=not args.no_admission_correction,
-        cache_salt_from_api_key=args.cache_salt_from_api_key,
     )
     return engine, server
 
