@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tailserve.errors import ModelLoadError, UnsupportedModelError
+from tailserve.errors import UnsupportedModelError
 from tailserve.weights.arch import ArchConfig, check_weights
 from tailserve.weights.formats import dequantize_tensor
 from tailserve.weights.gguf_file import GGUFFile, GGUFTensor, read_gguf
@@ -168,7 +168,10 @@ def _unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _tokenizer(meta: dict[str, Any], path: Path, arch: ArchConfig) -> Tokenizer:
     if meta.get("tokenizer.ggml.model") != "gpt2":
-        return _tokenizer_via_transformers(path, arch)
+        failure = f"{path}: cannot build its tokenizer"
+        return Tokenizer.from_transformers(
+            arch.eos_token_ids, path.name, failure, str(path.parent), gguf_file=path.name
+        )
     bpe = GGUFTokenizer(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     token_types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -180,16 +183,3 @@ def _tokenizer(meta: dict[str, Any], path: Path, arch: ArchConfig) -> Tokenizer:
         if name in vocab and token_types[vocab[name]] == TOKEN_TYPE_CONTROL and name in template:
             eos.add(vocab[name])
     return Tokenizer(bpe, sorted(eos), path.name)
-
-
-def _tokenizer_via_transformers(path: Path, arch: ArchConfig) -> Tokenizer:
-    from transformers import AutoTokenizer
-
-    try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as exc:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {exc}") from exc
-    eos = set(arch.eos_token_ids)
-    if hf.eos_token_id is not None:
-        eos.add(int(hf.eos_token_id))
-    return Tokenizer(hf, sorted(eos), path.name)

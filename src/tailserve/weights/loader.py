@@ -89,15 +89,7 @@ def load_model(
             name, arch, weights, tok = _load_hf_dir(path, dtype, keep)
     load_s = time.perf_counter() - start
     log.info("loaded %s (%s, %d layers) in %.2f s", name, arch.family, arch.num_layers, load_s)
-    return LoadedModel(
-        name=name,
-        arch=arch,
-        weights=weights,
-        tokenizer=tok,
-        load_s=load_s,
-        blocks=blocks,
-        sharded=keep is not None,
-    )
+    return LoadedModel(name, arch, weights, tok, load_s, blocks, sharded=keep is not None)
 
 
 def read_arch(spec: str) -> ArchConfig:
@@ -182,21 +174,10 @@ def _load_hf_dir(
     except Exception as exc:
         raise ModelLoadError(f"cannot read weights in {path}: {exc}") from exc
     check_weights(arch, shapes, str(path))
-    tok = _load_hf_tokenizer(path, arch)
+    tok = Tokenizer.from_transformers(
+        arch.eos_token_ids, path.name, f"cannot load the tokenizer in {path}", str(path)
+    )
     return path.name, arch, weights, tok
-
-
-def _load_hf_tokenizer(path: Path, arch: ArchConfig) -> Tokenizer:
-    from transformers import AutoTokenizer
-
-    try:
-        hf = AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from exc
-    eos = set(arch.eos_token_ids)
-    if hf.eos_token_id is not None:
-        eos.add(int(hf.eos_token_id))
-    return Tokenizer(hf, sorted(eos), path.name)
 
 
 __all__ = ["LoadedModel", "load_model", "default_model_path", "hf_weight_shapes", "UnsupportedModelError"]

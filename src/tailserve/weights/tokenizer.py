@@ -6,10 +6,10 @@ Detokenization never emits half a UTF-8 character: text is released only once it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tailserve.errors import InvalidRequestError
+from tailserve.errors import InvalidRequestError, ModelLoadError
 
 Message = dict[str, Any]
 
@@ -21,6 +21,23 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.name = name
+
+    @classmethod
+    def from_transformers(
+        cls, eos_token_ids: Iterable[int], name: str, failure: str, *source: str, **options: Any
+    ) -> Tokenizer:
+        """transformers' AutoTokenizer.from_pretrained(*source, **options), its own end token joining
+        `eos_token_ids` (the architecture's); ModelLoadError("`failure`: why") if it cannot be built."""
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(*source, **options)
+        except Exception as exc:
+            raise ModelLoadError(f"{failure}: {exc}") from exc
+        eos = set(eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos.add(int(hf.eos_token_id))
+        return cls(hf, sorted(eos), name)
 
     @property
     def vocab_size(self) -> int:
