@@ -15,12 +15,11 @@ from typing import Any
 
 log = logging.getLogger("tailserve.server")
 
-# generation_config.json key -> GGUF metadata key, per field.
-_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+# Each field's key: generation_config.json names them as we do; GGUF metadata under general.sampling.
+_HF_KEYS = {name: name for name in ("temperature", "top_p", "top_k")}
 _GGUF_KEYS = {
-    "temperature": "general.sampling.temp",
-    "top_p": "general.sampling.top_p",
-    "top_k": "general.sampling.top_k",
+    name: f"general.sampling.{key}"
+    for name, key in (("temperature", "temp"), ("top_p", "top_p"), ("top_k", "top_k"))
 }
 
 

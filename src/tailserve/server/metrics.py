@@ -41,6 +41,16 @@ class _CounterBaseline:
     prefix_cache_collisions: int = 0
 
 
+# Rank 0's forward per step under tensor parallelism, in two parts: histogram -> (what, StepSnapshot field).
+_TENSOR_PARALLEL_HISTOGRAMS = {
+    "tailserve_tp_allreduce_seconds": (
+        "time per step in collectives (all-reduce, logits gather)",
+        "allreduce_s",
+    ),
+    "tailserve_tp_compute_seconds": ("forward time per step outside collectives", "compute_s"),
+}
+
+
 def _histogram(
     name: str, doc: str, bounds: tuple[float, ...], per_kind: tuple[BucketCounts, ...] | None
 ) -> Metric:
@@ -154,17 +164,14 @@ class _EngineCollector:
                 "Share of wall time the engine spent in steps over the last minute (0..1).",
                 steps.busy.ratio(time.monotonic()) if steps else 0.0,
             ),
-            _histogram(
-                "tailserve_tp_allreduce_seconds",
-                "Tensor parallelism: rank 0's time per step in collectives (all-reduce, logits gather), by kind.",
-                LATENCY_BUCKETS_S,
-                steps.allreduce_s if steps else None,
-            ),
-            _histogram(
-                "tailserve_tp_compute_seconds",
-                "Tensor parallelism: rank 0's forward time per step outside collectives, by kind.",
-                LATENCY_BUCKETS_S,
-                steps.compute_s if steps else None,
+            *(
+                _histogram(
+                    name,
+                    f"Tensor parallelism: rank 0's {what}, by kind.",
+                    LATENCY_BUCKETS_S,
+                    getattr(steps, part, None),
+                )
+                for name, (what, part) in _TENSOR_PARALLEL_HISTOGRAMS.items()
             ),
             step_paths,
         ]

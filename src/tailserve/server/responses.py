@@ -244,19 +244,6 @@ def choice_chunks(
     return chunks
 
 
-def _with_usage(
-    job: Job,
-    chunks: list[dict[str, Any]],
-    outs: Sequence[RequestOutput],
-    prompt_counted: Sequence[bool] | None = None,
-) -> list[dict[str, Any]]:
-    """The usage chunk (summed over `outs`) when asked; the last chunk carries the first's timings."""
-    if job.include_usage:
-        chunks.append(_chunk(job, []) | {"usage": usage(outs, prompt_counted)})
-    chunks[-1]["tailserve_timings"] = timings(job, outs[0])
-    return chunks
-
-
 def stream_end(
     job: Job,
     last: list[dict[str, Any]],
@@ -266,6 +253,9 @@ def stream_end(
     """The stream's last chunks: the last choice's (`last`, its finish reason among them), then the
     usage chunk when asked; the timings go on the final chunk, which for several choices is the usage
     chunk or an empty-choices chunk of its own."""
-    if len(outs) > 1 and not job.include_usage:
+    if job.include_usage:
+        last = [*last, _chunk(job, []) | {"usage": usage(outs, prompt_counted)}]
+    elif len(outs) > 1:
         last = [*last, _chunk(job, [])]
-    return _with_usage(job, last, outs, prompt_counted)
+    last[-1]["tailserve_timings"] = timings(job, outs[0])  # the first choice's
+    return last
