@@ -178,6 +178,7 @@ class KVCacheManager:
     ) -> None:
         """`keys`: how full blocks are keyed (default: sha256_cbor after a random root)."""
         self.block_size = block_size
+        self.num_blocks = num_blocks  # the pool's size, fixed
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.keys = keys or BlockKeys.from_seed(None)
         self._seqs: dict[str, SeqBlocks] = {}
@@ -187,11 +188,8 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached ones among them: they are reused on demand)."""
         return self.pool.num_free
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._seqs[seq_id].table
