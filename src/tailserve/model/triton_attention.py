@@ -40,6 +40,30 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + slot * stride_ct + offs, v, mask=mask)
 
 
+@triton.jit  # type: ignore[misc,unused-ignore]
+def _kv_tile(table, pos, end, kvh, offs_d, d_mask, stride_ct, stride_ch, PAGE: tl.constexpr):
+    """Context positions `pos` -> their K/V offsets in the paged cache (through the block table), the
+    mask of those before `end` over the head dim, and that mask over positions alone."""
+    n_mask = pos < end
+    block = tl.load(table + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    slot = block * PAGE + pos % PAGE
+    kv_offs = slot[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
+    return kv_offs, n_mask[:, None] & d_mask[None, :], n_mask
+
+
+@triton.jit  # type: ignore[misc,unused-ignore]
+def _softmax_step(s, v_ptrs, kv_mask, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of online softmax: rescale the running sum and output to the new row max, then add
+    this tile's scores `s` times its V. Returns the new (row max, sum, output)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["split_len", "num_splits"])  # type: ignore[misc,unused-ignore]
 def _decode_kernel(
     q_ptr,
@@ -100,21 +124,11 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
-        n_mask = pos < end
-        block = tl.load(table + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        slot = block * PAGE + pos % PAGE
-        kv_offs = slot[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+        kv_offs, kv_mask, n_mask = _kv_tile(table, pos, end, kvh, offs_d, d_mask, stride_ct, stride_ch, PAGE)
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v_cache_ptr + kv_offs, kv_mask, m_i, l_i, acc, DOT_PRECISION)
     acc = acc / l_i[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -175,13 +189,13 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale,
-    stride_qt,
+    stride_qt,  # queries and outputs: rows by token, then head
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_ct,
     stride_ch,
     stride_bt,
-    stride_ot,
-    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -224,22 +238,12 @@ def _prefill_kernel(
     end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # causal: nothing past the tile's last query
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + offs_n
-        n_mask = pos < end
-        block = tl.load(table + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        slot = block * PAGE + pos % PAGE
-        kv_offs = slot[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+        kv_offs, kv_mask, n_mask = _kv_tile(table, pos, end, kvh, offs_d, d_mask, stride_ct, stride_ch, PAGE)
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         # Position 0 is visible to every row, so each row's max is finite after the first tile.
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v_cache_ptr + kv_offs, kv_mask, m_i, l_i, acc, DOT_PRECISION)
     acc = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -420,11 +424,11 @@ class TritonPagedAttention:
             scale,
             q.stride(0),
             q.stride(1),
+            out.stride(0),
+            out.stride(1),
             k_cache.stride(0),
             k_cache.stride(1),
             block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
             GROUP=group,
             HEAD_DIM=dim,
             BLOCK_D=triton.next_power_of_2(dim),
