@@ -134,7 +134,7 @@ class AsyncEngine:
         ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
         wait = self.estimate_wait(work, ttft_s)
         ticket = admit(WaitQuote(work, ttft_s, wait.ttft_s, wait.alone_s))
-        stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, None, slo, fork_of)
+        stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of)
         return Admitted(ticket, stream)
 
     def generate(
@@ -142,7 +142,6 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        arrival: float | None = None,
         *,
         slo: SloTarget | None = None,
         fork_of: str | None = None,
@@ -153,7 +152,7 @@ class AsyncEngine:
         Iterate it, or abort the id."""
         work = self.engine.prompt_work_tokens(prompt_token_ids, params)
         ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
-        return self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, arrival, slo, fork_of)
+        return self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of)
 
     def _enqueue(
         self,
@@ -162,13 +161,12 @@ class AsyncEngine:
         params: SamplingParams,
         work_tokens: int,
         ttft_s: float,
-        arrival: float | None,
         slo: SloTarget | None,
         fork_of: str | None,
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        now = arrival or time.monotonic()
+        now = time.monotonic()
         seq = next(self._add_seq)
         item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, seq, slo, fork_of)
         with self._lock:
