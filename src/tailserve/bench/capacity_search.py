@@ -19,10 +19,11 @@ _MAX_DOWN_STEPS = 3
 
 @dataclass(frozen=True)
 class CapacitySearch:
-    """Search bounds: start at `start_rate`, multiply by `growth` up to `max_rate`, then bisect."""
+    """Search bounds: start at `start_rate`, multiply by `growth` up to `max_rate`, then bisect. The
+    bounds have no default here: `bench capacity`'s --rate-start and --rate-max state them."""
 
-    start_rate: float = 1.0
-    max_rate: float = 256.0
+    start_rate: float
+    max_rate: float
     growth: float = 2.0
     tolerance: float = 0.05
     max_bisections: int = 6

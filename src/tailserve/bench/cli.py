@@ -148,9 +148,7 @@ def _capacity_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--rate-start", type=float, default=1.0, help="capacity: first rate probed (req/s)")
     g.add_argument("--rate-max", type=float, default=256.0, help="capacity: highest rate probed")
     g.add_argument("--growth", type=float, default=2.0, help="capacity: rate multiplier during the ramp")
-    g.add_argument(
-        "--tolerance", type=float, default=0.05, help="capacity: bisection stops at this relative gap"
-    )
+    g.add_argument("--tolerance", type=float, default=0.05, help="capacity: bisect down to this relative gap")
     g.add_argument("--probe-duration", type=float, default=60.0, help="capacity: seconds per probe run")
     g.add_argument(
         "--conservative",
