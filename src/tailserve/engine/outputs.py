@@ -1,7 +1,7 @@
 """Turning sampled tokens into what callers see: stop rules, incremental text, RequestOutput snapshots.
 
-It decides when a request is done (end token, stop token, stop string, max_tokens, context full)
-and which text may be released; it never touches the scheduler or the KV cache.
+It decides when a request is done (end token, stop token, stop string, max_tokens, context full, a
+complete grammar) and which text may be released; it never touches the scheduler or the KV cache.
 """
 
 from __future__ import annotations
