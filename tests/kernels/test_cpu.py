@@ -259,6 +259,123 @@ def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(
         _assert_within_bf16(out[s], want)
 
 
+def _prompt_attention(
+    lib: ctypes.CDLL, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    start_pos: int, heads: int, kv_heads: int, dim: int, bs: int = 16,
+) -> torch.Tensor | None:  # fmt: skip
+    """ts_paged_prompt_attention over qkv's rows (q first in each row) at start_pos..; None if it declined."""
+    rows = qkv.shape[0]
+    out = torch.zeros(rows, heads, dim, dtype=torch.bfloat16)
+    ran = lib.ts_paged_prompt_attention(
+        ptr(qkv), qkv.stride(0), ptr(k_cache), ptr(v_cache), ptr(table), rows, start_pos, ptr(out),
+        heads, kv_heads, dim, bs, dim**-0.5,
+    )  # fmt: skip
+    if not ran:
+        assert not out.any(), "the kernel declined and still wrote"
+        return None
+    return out
+
+
+def _assert_causal_softmax(
+    got: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    start_pos: int, bs: int = 16,
+) -> None:  # fmt: skip
+    """got against a float32 softmax attention of q [rows, heads, dim] at start_pos.. over the
+    sequence's paged context, causal (the row at position p sees keys 0..p). The kernel rounds the
+    weights P to bf16 (2^-8 relative each) before P V, so besides the output's rounding (2^-8 of
+    |out|) an element may be off by 2^-8 of the weighted mean of |v| (the same attention over |V|);
+    float32 sums add next to nothing (the worst element here reaches 0.85 of the bound)."""
+    ctx = start_pos + q.shape[0]
+    keys = gather_blocks(k_cache, table, bs)[:ctx].float().transpose(0, 1)
+    values = gather_blocks(v_cache, table, bs)[:ctx].float().transpose(0, 1)
+    sees = torch.arange(ctx)[None, :] <= torch.arange(start_pos, ctx)[:, None]
+
+    def attend(v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1), keys, v, attn_mask=sees, scale=q.shape[-1] ** -0.5, enable_gqa=True
+        )
+        return out.transpose(0, 1)
+
+    want, weighted_abs = attend(values), attend(values.abs())
+    err = (got.float() - want).abs()
+    bound = (want.abs() + weighted_abs) * 2**-8
+    assert bool((err <= bound).all()), (
+        f"max error {err.max().item():.3g}, worst error / bound {(err / bound).max():.3g}"
+    )
+
+
+def _prompt_case(heads: int, kv_heads: int, dim: int, spans: list[tuple[int, int]], seed: int) -> tuple[
+    torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]
+]:  # fmt: skip
+    """A cache shared by several sequences, each with its own shuffled block table, and per sequence
+    the q|k|v rows of its chunk (start_pos, rows) (only q is read: K/V are already in the cache)."""
+    bs = 16
+    widths = [-(-(start + rows) // bs) for start, rows in spans]
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(widths) + 3
+    k_cache = (torch.randn(num_blocks * bs, kv_heads, dim, generator=g) * 2).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = list(torch.split(order[: sum(widths)], widths))
+    qkv = [
+        _bf(rows, (heads + 2 * kv_heads) * dim, seed=seed + i, scale=2.0) for i, (_, rows) in enumerate(spans)
+    ]
+    return k_cache, v_cache, [t.contiguous() for t in tables], qkv
+
+
+def _amx_prompt_kernel(lib: ctypes.CDLL, isa: str) -> None:
+    """Skip unless this build runs the AMX prompt kernel; without AMX it must decline (the decode
+    kernel then runs each row, tested above)."""
+    if isa != "amx":
+        k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, [(0, 20)], seed=1)
+        assert _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, 9, 3, 64) is None
+        pytest.skip(f"the prompt attention kernel runs on AMX only; the {isa} build declines it (checked)")
+    cpu_kernels.amx()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 64), (14, 2, 64), (4, 4, 32), (7, 1, 64)]
+)
+def test_paged_prompt_attention_equals_causal_softmax_over_the_cache(
+    lib: ctypes.CDLL, isa: str, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Chunks from scratch and over a cached prefix, odd lengths, starting inside a block, one row,
+    several sequences' shuffled block tables in one cache: within bf16 of a float32 causal softmax."""
+    _amx_prompt_kernel(lib, isa)
+    spans = [(0, 1), (0, 37), (21, 50), (5, 100), (300, 17), (0, 16), (16, 33)]
+    k_cache, v_cache, tables, qkv = _prompt_case(heads, kv_heads, dim, spans, seed=heads * dim)
+    for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
+        got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, heads, kv_heads, dim)
+        assert got is not None
+        q = chunk[:, : heads * dim].reshape(rows, heads, dim)
+        _assert_causal_softmax(got, q, k_cache, v_cache, table, start)
+
+
+def test_paged_prompt_attention_declines_what_it_cannot_run(lib: ctypes.CDLL, isa: str) -> None:
+    """Head size 128 or 48, or blocks of 8: nothing written, 0 returned (the decode kernel runs it)."""
+    _amx_prompt_kernel(lib, isa)
+    for dim, bs in ((128, 16), (48, 16), (64, 8)):
+        k_cache, v_cache, tables, qkv = _prompt_case(4, 2, dim, [(0, 20)], seed=dim)
+        assert _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, 4, 2, dim, bs) is None
+
+
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked(lib: ctypes.CDLL, isa: str) -> None:
+    """Key blocks at absolute positions, every step per row: one chunk of 700 rows, 256 + 256 + 188,
+    and 1 + 99 + 333 + 267 (chunks off block boundaries) give identical rows."""
+    _amx_prompt_kernel(lib, isa)
+    heads, kv_heads, dim = 9, 3, 64
+    k_cache, v_cache, tables, qkv = _prompt_case(heads, kv_heads, dim, [(0, 700)], seed=5)
+    whole = _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, heads, kv_heads, dim)
+    assert whole is not None
+    for splits in ([256, 256, 188], [1, 99, 333, 267]):
+        start = 0
+        for rows in splits:
+            chunk = qkv[0][start : start + rows]
+            got = _prompt_attention(lib, chunk, k_cache, v_cache, tables[0], start, heads, kv_heads, dim)
+            assert got is not None and torch.equal(got, whole[start : start + rows]), (splits, start)
+            start += rows
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize(("n", "k"), [(24, 96), (80, 160), (960, 576)])
 def test_int4_tile_matmul_is_exact_to_the_blocks(tiles: ctypes.CDLL, kind: str, n: int, k: int) -> None:
@@ -357,7 +474,7 @@ def test_every_kernel_gives_the_same_bits_at_any_thread_count(
 ) -> None:
     """Threads split outputs (tiles, sequences, rows), never a sum: 1, 2 and 3 threads agree bit for
     bit on decode attention and the row kernels, and where the build has them on the int4 decode and
-    (with AMX) prompt matmuls and the q8 head."""
+    (with AMX) prompt matmuls and prompt attention, and the q8 head."""
     tiles = cpu_kernels.tile_matmuls()
     t = _blocks("Q4_1", 960, 576, seed=3)
     groups = int4_from_blocks(t)
@@ -375,6 +492,7 @@ def test_every_kernel_gives_the_same_bits_at_any_thread_count(
     q = _bf(len(lens), heads, dim, seed=7)
     seq_lens = torch.tensor(lens)
     x_decode, x_prompt = _bf(16, 576, seed=8), _bf(300, 576, seed=9)
+    qkv_prompt = _bf(len(lens) * width * bs, (heads + 2 * kv_heads) * dim, seed=12)  # every slot a prompt row
     gu, h0, delta, w = (
         _bf(300, 2 * 1536, seed=10),
         torch.randn(300, 576),
@@ -392,6 +510,10 @@ def test_every_kernel_gives_the_same_bits_at_any_thread_count(
         lib.ts_silu_mul(ptr(gu), ptr(act), 300, 1536)
         lib.ts_add_rms_norm(ptr(h), ptr(delta), 576, ptr(w), ptr(normed), 300, 576, 1e-5)
         out = [attn, act, h, normed]
+        prompt = _prompt_attention(
+            lib, qkv_prompt, k_cache, v_cache, tables.view(-1), 0, heads, kv_heads, dim
+        )
+        out += [] if prompt is None else [prompt]
         if q4 is not None and q8 is not None:
             out += [q4.matmul(x_decode), q8.matmul(x_decode)]
             out += [q4.prefill_matmul(x_prompt)] if cpu_kernels.amx() is not None else []

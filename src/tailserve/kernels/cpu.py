@@ -31,7 +31,7 @@ from tailserve.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 3
+ABI_VERSION = 4
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 # Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_silu_mul": [_P, _P, _I, _I],
     "ts_rope_write_kv": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "ts_paged_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "ts_paged_prompt_attention": [_P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F],
     "ts_q8_matmul": [_P, _I, _I, _P, _P, _I, _P],
     "ts_q4_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_q4_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
@@ -156,6 +157,7 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = args
         fn.restype = None
     lib.ts_amx_init.restype = ctypes.c_int
+    lib.ts_paged_prompt_attention.restype = ctypes.c_int  # 1: ran (AMX); 0: nothing written
     lib.ts_tile_isa.restype = ctypes.c_int
     lib.ts_set_threads.argtypes = [ctypes.c_int]
     lib.ts_set_threads.restype = ctypes.c_int

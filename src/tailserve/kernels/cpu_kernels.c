@@ -1,5 +1,6 @@
 /* tailserve's fused CPU kernels: the small per-layer ops of a step one call each, paged decode
- * attention, and (with AMX) the int4 layer and Q8_0 head matmuls. See docs/ENGINE.md.
+ * attention, and (with AMX) paged prompt attention and the int4 layer and Q8_0 head matmuls. See
+ * docs/ENGINE.md.
  *
  * Built at first use by cpu_kernels.py (cc -O3 -march=native -ffast-math, cached by source hash)
  * and called through ctypes on raw tensor pointers. Every kernel is row-wise (or per sequence and
@@ -33,7 +34,7 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 3; }
+int ts_abi_version(void) { return 4; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
@@ -974,6 +975,267 @@ void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_ca
     const attention_job job = {q, k_cache, v_cache, q_stride, table_width, heads, kv_heads, dim, block_size, max_len,
                                block_tables, lens, out, scale};
     parallel_chunks(attention_chunk, &job, seqs);
+}
+
+/* Prompt attention on AMX: one prompt chunk of one sequence (rows at positions start_pos ..
+ * start_pos + rows - 1 over its paged cache, causal), flash-attention style. Per kv head, the rows
+ * of its query heads are stacked (position-major: row r = chunk row r / group, head r % group) and
+ * taken 16 at a time as the N side of two tile products per 32 keys, so the softmax runs down
+ * columns (one zmm = one key's scores for 16 rows: no horizontal sums):
+ *   S^T [32 keys, 16 rows] = K Q^T  A: 16 cache rows of K read in place, B: the 16 rows' q in pairs
+ *   O^T [dim, 16 rows]   += V^T P^T A: V transposed (once per call, per kv head and 32 keys),
+ *                                    B: P rounded to bf16, key pairs interleaved
+ * with float32 sums, O^T held in four tiles for the whole key loop. The softmax is online and exact
+ * in float32, lazily rescaled: P = 2^(s - m) against the row's running maximum m, which moves (and
+ * rescales O and the sum) only when a block's maximum passes it by more than 2^8, so P <= 256.
+ * Key blocks sit at absolute positions 0, 32, 64, ... in that order, and every step is per row
+ * (masked keys give P = 0 exactly, a rescale multiplies other rows by 1.0), so a row's result does
+ * not depend on which rows share its tile or chunk: a prompt chunked 256 + 256 + ... gives the bits
+ * one chunk gives. Needs AMX, head_dim 32 or 64 (O^T in at most four tiles), block_size % 16 == 0;
+ * returns 0 (nothing written) otherwise, and the caller runs the decode kernel per row. */
+#if defined(TS_AMX)
+#define PA_KEYS 32
+#define PA_LAZY_LOG2 8.0f
+
+typedef struct {
+    const bf16 *q, *k_cache, *v_cache;
+    const int64_t *table;
+    int64_t q_stride, rows, start_pos, heads, kv_heads, dim, block_size, ctx, key_blocks, row_tiles, repack_per;
+    bf16 *vt; /* [kv_heads][key_blocks][dim / 16][16 dims][32 keys] */
+    bf16 *out;
+    float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
+} prompt_job;
+
+/* 2^t for t <= 8 (or very negative: 0), degree-5 Taylor of 2^f on |f| <= 1/2 (relative error ~2e-6,
+ * far below P's bf16 rounding). */
+static inline __m512 exp2_512(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* V^T for kv head g and key blocks kb0 .. kb0 + repack_per - 1; keys past the context are zeros. */
+static void prompt_repack_chunk(const void *arg, int64_t chunk) {
+    const prompt_job *j = (const prompt_job *)arg;
+    const int64_t per_head = (j->key_blocks + j->repack_per - 1) / j->repack_per;
+    const int64_t g = chunk / per_head, kb0 = (chunk % per_head) * j->repack_per;
+    const int64_t kb1 = kb0 + j->repack_per < j->key_blocks ? kb0 + j->repack_per : j->key_blocks;
+    const int64_t dim = j->dim, dtiles = dim / 16, kv_width = j->kv_heads * dim, bs = j->block_size;
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        bf16 *dst = j->vt + (g * j->key_blocks + kb) * dtiles * 512;
+        for (int64_t k = 0; k < PA_KEYS; k++) {
+            const int64_t key = kb * PA_KEYS + k;
+            if (key >= j->ctx) {
+                for (int64_t d = 0; d < dim; d++) dst[(d / 16) * 512 + (d % 16) * 32 + k] = 0;
+                continue;
+            }
+            const bf16 *row = j->v_cache + (j->table[key / bs] * bs + key % bs) * kv_width + g * dim;
+            for (int64_t d = 0; d < dim; d++) dst[(d / 16) * 512 + (d % 16) * 32 + k] = row[d];
+        }
+    }
+}
+
+/* The 16 keys from `key` (one cache block holds them: block_size % 16 == 0) of kv head g. */
+static inline const bf16 *prompt_keys(const prompt_job *j, int64_t g, int64_t key) {
+    const int64_t bs = j->block_size;
+    return j->k_cache + (j->table[key / bs] * bs + key % bs) * j->kv_heads * j->dim + g * j->dim;
+}
+
+/* S^T of the 32 keys from k0 for the job's 16 rows into tiles 0 and 1 (zeros for the upper 16 keys
+ * when no row sees them: the cache may not hold them). Tile 2 takes K, tile 3 q^T. */
+static inline void prompt_scores(const prompt_job *j, int64_t g, int64_t k0, int64_t max_pos, const bf16 *qt,
+                                 int64_t chunks) {
+    const int64_t kv_stride = j->kv_heads * j->dim * 2;
+    const int hi = k0 + 16 <= max_pos;
+    const bf16 *k_lo = prompt_keys(j, g, k0), *k_hi = hi ? prompt_keys(j, g, k0 + 16) : NULL;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(3, qt, 64);
+    _tile_loadd(2, k_lo, kv_stride);
+    _tile_dpbf16ps(0, 2, 3);
+    if (hi) {
+        _tile_loadd(2, k_hi, kv_stride);
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    if (chunks == 2) {
+        _tile_loadd(3, qt + 512, 64);
+        _tile_loadd(2, k_lo + 32, kv_stride);
+        _tile_dpbf16ps(0, 2, 3);
+        if (hi) {
+            _tile_loadd(2, k_hi + 32, kv_stride);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+    }
+}
+
+/* O^T (tiles 4-7) += V^T P^T for key block kb: P^T in tile 3, V^T through tiles 0-2. */
+static inline void prompt_values(const prompt_job *j, int64_t g, int64_t kb, const bf16 *pt, int64_t dtiles) {
+    const bf16 *vt = j->vt + (g * j->key_blocks + kb) * dtiles * 512;
+    _tile_loadd(3, pt, 64);
+    _tile_loadd(0, vt, 64);
+    _tile_dpbf16ps(4, 0, 3);
+    _tile_loadd(1, vt + 512, 64);
+    _tile_dpbf16ps(5, 1, 3);
+    if (dtiles == 4) {
+        _tile_loadd(2, vt + 1024, 64);
+        _tile_dpbf16ps(6, 2, 3);
+        _tile_loadd(0, vt + 1536, 64);
+        _tile_dpbf16ps(7, 0, 3);
+    }
+}
+
+/* 16 stacked rows (row tile t) of kv head g over every key block they see; the tiles configured. */
+static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
+    const int64_t kv_heads = j->kv_heads, group = j->heads / kv_heads, dim = j->dim;
+    const int64_t chunks = dim / 32, dtiles = dim / 16;
+    const int64_t stacked = j->rows * group;
+    bf16 qt[2 * 512] __attribute__((aligned(64)));
+    bf16 pt[2][512] __attribute__((aligned(64))); /* P^T of blocks kb and kb - 1 */
+    float s[PA_KEYS * 16] __attribute__((aligned(64)));
+    float o[64 * 16] __attribute__((aligned(64)));
+    int32_t pos[16];
+    memset(qt, 0, sizeof qt);
+    int64_t min_pos = INT64_MAX, max_pos = -1;
+    for (int64_t m = 0; m < 16; m++) {
+        const int64_t r = 16 * t + m;
+        if (r >= stacked) {
+            pos[m] = -1; /* padding: every key masked, never written */
+            continue;
+        }
+        const int64_t i = r / group, h = g * group + r % group;
+        pos[m] = (int32_t)(j->start_pos + i);
+        min_pos = pos[m] < min_pos ? pos[m] : min_pos;
+        max_pos = pos[m] > max_pos ? pos[m] : max_pos;
+        const bf16 *qr = j->q + i * j->q_stride + h * dim;
+        for (int64_t c = 0; c < chunks; c++) /* B's pair layout: row i2 holds dims 2 i2, 2 i2 + 1 */
+            for (int64_t i2 = 0; i2 < 16; i2++) memcpy(qt + c * 512 + i2 * 32 + 2 * m, qr + c * 32 + 2 * i2, 4);
+    }
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const __m512i posv = _mm512_loadu_si512(pos);
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 sc = _mm512_set1_ps(j->scale_log2), masked = _mm512_set1_ps(-1e30f);
+    const __m512 lazy = _mm512_set1_ps(PA_LAZY_LOG2);
+    __m512 top = masked, sum = _mm512_setzero_ps();
+    const int64_t blocks = max_pos / PA_KEYS + 1;
+    /* Pipelined: block kb - 1's values and block kb + 1's scores run on the tiles while block kb's
+     * softmax runs on AVX-512. */
+    prompt_scores(j, g, 0, max_pos, qt, chunks);
+    _tile_stored(0, s, 64);
+    _tile_stored(1, s + 256, 64);
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        const int64_t k0 = kb * PA_KEYS;
+        if (kb > 0) prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles);
+        if (kb + 1 < blocks) prompt_scores(j, g, k0 + PA_KEYS, max_pos, qt, chunks);
+        const int diagonal = k0 + PA_KEYS - 1 > min_pos; /* keys past some row's position: masked for it */
+        __m512 block_top = masked;
+        for (int64_t k = 0; k < PA_KEYS; k++) {
+            const __m512 x = _mm512_mul_ps(_mm512_load_ps(s + 16 * k), sc);
+            const __mmask16 sees =
+                diagonal ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT) : 0xffff;
+            block_top = _mm512_mask_max_ps(block_top, sees, block_top, x);
+        }
+        if (kb == 0) {
+            top = block_top;
+        } else {
+            const __mmask16 moves = _mm512_cmp_ps_mask(block_top, _mm512_add_ps(top, lazy), _CMP_GT_OQ);
+            if (moves) { /* rare: rescale O and the sum of the rows whose maximum moved (others by 1) */
+                const __m512 fresh = _mm512_mask_mov_ps(top, moves, block_top);
+                const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moves, exp2_512(_mm512_sub_ps(top, fresh)));
+                sum = _mm512_mul_ps(sum, alpha);
+                _tile_stored(4, o, 64);
+                _tile_stored(5, o + 256, 64);
+                _tile_stored(6, o + 512, 64);
+                _tile_stored(7, o + 768, 64);
+                for (int64_t d = 0; d < dim; d++) _mm512_store_ps(o + 16 * d, _mm512_mul_ps(_mm512_load_ps(o + 16 * d), alpha));
+                _tile_loadd(4, o, 64);
+                _tile_loadd(5, o + 256, 64);
+                _tile_loadd(6, o + 512, 64);
+                _tile_loadd(7, o + 768, 64);
+                top = fresh;
+            }
+        }
+        for (int64_t kp = 0; kp < PA_KEYS / 2; kp++) {
+            const int64_t k = 2 * kp;
+            __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * k), sc, top));
+            __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * k + 16), sc, top));
+            if (diagonal) { /* a masked key weighs exactly 0 */
+                p0 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT), p0);
+                p1 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k + 1)), _MM_CMPINT_NLT), p1);
+            }
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0's 16 rows low, p1's high */
+            _mm512_store_si512(pt[kb & 1] + 32 * kp, _mm512_permutexvar_epi16(pair_order, both));
+        }
+        if (kb + 1 < blocks) { /* the next block's scores, done by now */
+            _tile_stored(0, s, 64);
+            _tile_stored(1, s + 256, 64);
+        }
+    }
+    prompt_values(j, g, blocks - 1, pt[(blocks - 1) & 1], dtiles);
+    _tile_stored(4, o, 64);
+    _tile_stored(5, o + 256, 64);
+    _tile_stored(6, o + 512, 64);
+    _tile_stored(7, o + 768, 64);
+    float inv[16];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(sum, _mm512_set1_ps(FLT_MIN))));
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < 16 && 16 * t + m < stacked; m++) { /* O^T's column m is the row's output */
+        const int64_t r = 16 * t + m, i = r / group, h = g * group + r % group;
+        bf16 *dst = j->out + (i * j->heads + h) * dim;
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 x = _mm512_i32gather_ps(column, o + 16 * d + m, 4);
+            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, _mm512_set1_ps(inv[m]))));
+        }
+    }
+}
+
+/* A few row tiles of one kv head (heaviest first: the last rows see the most keys), one tile
+ * configuration for all of them. */
+#define PA_TILES_PER_CHUNK 4
+static void prompt_tile_chunk(const void *arg, int64_t chunk) {
+    const prompt_job *j = (const prompt_job *)arg;
+    const int64_t g = chunk % j->kv_heads, first = (chunk / j->kv_heads) * PA_TILES_PER_CHUNK;
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t n = first; n < first + PA_TILES_PER_CHUNK && n < j->row_tiles; n++) prompt_tile(j, g, j->row_tiles - 1 - n);
+    _tile_release();
+}
+#endif
+
+int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
+                              const int64_t *block_table, int64_t rows, int64_t start_pos, bf16 *out, int64_t heads,
+                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+#if defined(TS_AMX)
+    if (!amx_ready || (dim != 32 && dim != 64) || block_size % 16 != 0 || rows < 1 || heads % kv_heads != 0) return 0;
+    const int64_t ctx = start_pos + rows, key_blocks = (ctx + PA_KEYS - 1) / PA_KEYS;
+    const int64_t row_tiles = (rows * (heads / kv_heads) + 15) / 16;
+    bf16 *vt = (bf16 *)aligned_alloc(64, (size_t)(kv_heads * key_blocks * dim * PA_KEYS) * sizeof(bf16));
+    if (vt == NULL) abort();
+    const prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
+                            block_size, ctx, key_blocks, row_tiles, 8, vt, out, scale * 1.44269504088896341f};
+    parallel_chunks(prompt_repack_chunk, &job, kv_heads * ((key_blocks + 7) / 8));
+    parallel_chunks(prompt_tile_chunk, &job, kv_heads * ((row_tiles + PA_TILES_PER_CHUNK - 1) / PA_TILES_PER_CHUNK));
+    free(vt);
+    return 1;
+#else
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_table, (void)rows, (void)start_pos, (void)out;
+    (void)heads, (void)kv_heads, (void)dim, (void)block_size, (void)scale;
+    return 0;
+#endif
 }
 
 /* Lay int4 codes [n_out, k] (one code a byte, 0..15; n_out a multiple of 16, k of 32) out as

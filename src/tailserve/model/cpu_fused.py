@@ -4,11 +4,11 @@ A decode step of the 30-layer default model ran ~80 torch ops per layer, ~14 ms 
 overhead against ~11 ms of int4 matmuls. Here each layer is: norm (fused into the previous residual
 add), qkv matmul, RoPE + KV write in place, paged decode attention read straight from the cache, o
 matmul, residual add + norm, gate|up matmul, SiLU x up, down matmul, residual add + the next
-layer's norm. Prompt rows take the same kernels, attention included: once RoPE has written a chunk's
-K/V into the cache, prompt row i at position p is one query over the cache's first p + 1 positions,
-so the decode kernel runs it with that length (causal by construction, over a cached prefix or not;
-2.1-3.6x faster than torch's flash SDPA for 50-375 rows on a 2-core Zen 4, exact softmax). Same weights
-and formats as the torch path; every kernel is row-wise, so a row's result does not depend on its batch.
+layer's norm. Prompt rows take the same kernels but attention: once RoPE has written a chunk's K/V
+into the cache, the chunk's rows attend over it causally (a row at position p sees the first p + 1),
+on AMX tiles flash-attention style (ts_paged_prompt_attention) where the CPU has them, else as one
+decode query each with that length (exact softmax either way). Same weights and formats as the
+torch path; every kernel is row-wise, so a row's result does not depend on its batch or chunk.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ from tailserve.model.transformer import DecoderLayer, TransformerLM
 
 MAX_GROUP = 64  # query heads per kv head the attention kernel keeps per-head sums for
 # Bumped when what this forward computes changes (so the quality gate re-measures): 2 = prompt
-# attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN.
-FORWARD_REVISION = 2
+# attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN; 3 = prompt
+# attention on the AMX flash kernel (ts_paged_prompt_attention) where it runs.
+FORWARD_REVISION = 3
 
 
 def attach(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
     """Run `model`'s forward through the fused CPU kernels from now on, if they build and fit it;
     its bf16 linears also keep their weights prepacked for oneDNN's prompt rows."""
     lib = cpu_kernels.load() if supports(model, kv_dtype) else None
+    cpu_kernels.tile_isa()  # asks the OS for AMX tile data, which both attention kernels use where granted
     model.fused = None if lib is None else FusedCpuForward(model, lib)
     if model.fused is not None:
         for linear in model.prompt_linears():
@@ -112,7 +114,12 @@ class FusedCpuForward:
                     ptr(qkv), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(tables), tables.stride(0),
                     ptr(lens), ptr(attn), d, heads, kv_heads, hd, meta.block_size, self.scale,
                 )  # fmt: skip
-            for q_start, rows, prompt_table, prompt_lens in prompts:
+            for q_start, rows, start_pos, prompt_table, prompt_lens in prompts:
+                if lib.ts_paged_prompt_attention(
+                    ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), rows,
+                    start_pos, ptr(attn[q_start:]), heads, kv_heads, hd, meta.block_size, self.scale,
+                ):  # fmt: skip
+                    continue  # AMX ran it; elsewhere (or a shape it does not take) each row is a decode query
                 lib.ts_paged_decode_attention(
                     ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), 0,
                     ptr(prompt_lens), ptr(attn[q_start:]), rows, heads, kv_heads, hd, meta.block_size, self.scale,
@@ -136,13 +143,14 @@ class FusedCpuForward:
         return self.model.tp.all_reduce(partial).to(torch.bfloat16)
 
     @staticmethod
-    def _prompt_queries(meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Per prompt chunk: its first row, its rows, its sequence's block table and each row's
-        context length (position + 1): the decode kernel's arguments, one table shared by every row
-        (row stride 0). Prompt chunk i is the step's sequence num_decodes + i."""
+    def _prompt_queries(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        """Per prompt chunk: its first row, its rows, its first position, its sequence's block table
+        and each row's context length (position + 1): the prompt kernel's arguments and the decode
+        kernel's, one table shared by every row (row stride 0). Prompt chunk i is the step's sequence
+        num_decodes + i."""
         prompts = []
         for i, span in enumerate(meta.prefills):
             table = meta.block_tables[meta.num_decodes + i].contiguous()
             lens = torch.arange(span.start_pos + 1, span.start_pos + span.q_len + 1, dtype=torch.long)
-            prompts.append((span.q_start, span.q_len, table, lens))
+            prompts.append((span.q_start, span.q_len, span.start_pos, table, lens))
         return prompts
