@@ -1090,6 +1090,31 @@ static inline void prompt_values(const prompt_job *j, int64_t g, int64_t kb, con
     }
 }
 
+/* r[i][l] <-> r[l][i]: a 16 x 16 transpose of 32-bit lanes, by swapping off-diagonal blocks of 8, 4, 2, 1. */
+static const int32_t transpose_lo[4][16] __attribute__((aligned(64))) = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+static const int32_t transpose_hi[4][16] __attribute__((aligned(64))) = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    for (int round = 0; round < 4; round++) {
+        const int s = 8 >> round;
+        const __m512i idx_lo = _mm512_load_si512(transpose_lo[round]), idx_hi = _mm512_load_si512(transpose_hi[round]);
+        for (int i = 0; i < 16; i++) {
+            if (i & s) continue;
+            const __m512i a = r[i], b = r[i + s];
+            r[i] = _mm512_permutex2var_epi32(a, idx_lo, b);
+            r[i + s] = _mm512_permutex2var_epi32(a, idx_hi, b);
+        }
+    }
+}
+
 /* 16 stacked rows (row tile t) of kv head g over every key block they see; the tiles configured. */
 static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
     const int64_t kv_heads = j->kv_heads, group = j->heads / kv_heads, dim = j->dim;
@@ -1100,21 +1125,25 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
     float s[PA_KEYS * 16] __attribute__((aligned(64)));
     float o[64 * 16] __attribute__((aligned(64)));
     int32_t pos[16];
-    memset(qt, 0, sizeof qt);
     int64_t min_pos = INT64_MAX, max_pos = -1;
+    __m512i qr[2][16]; /* per chunk of 32 dims, row m's 16 dim pairs, transposed below into B's layout */
     for (int64_t m = 0; m < 16; m++) {
         const int64_t r = 16 * t + m;
         if (r >= stacked) {
             pos[m] = -1; /* padding: every key masked, never written */
+            qr[0][m] = qr[1][m] = _mm512_setzero_si512();
             continue;
         }
         const int64_t i = r / group, h = g * group + r % group;
         pos[m] = (int32_t)(j->start_pos + i);
         min_pos = pos[m] < min_pos ? pos[m] : min_pos;
         max_pos = pos[m] > max_pos ? pos[m] : max_pos;
-        const bf16 *qr = j->q + i * j->q_stride + h * dim;
-        for (int64_t c = 0; c < chunks; c++) /* B's pair layout: row i2 holds dims 2 i2, 2 i2 + 1 */
-            for (int64_t i2 = 0; i2 < 16; i2++) memcpy(qt + c * 512 + i2 * 32 + 2 * m, qr + c * 32 + 2 * i2, 4);
+        const bf16 *row = j->q + i * j->q_stride + h * dim;
+        for (int64_t c = 0; c < chunks; c++) qr[c][m] = _mm512_loadu_si512(row + c * 32);
+    }
+    for (int64_t c = 0; c < chunks; c++) { /* B row i2 holds dims 2 i2, 2 i2 + 1 of the 16 rows */
+        transpose16_epi32(qr[c]);
+        for (int64_t i2 = 0; i2 < 16; i2++) _mm512_store_si512(qt + c * 512 + i2 * 32, qr[c][i2]);
     }
     _tile_zero(4);
     _tile_zero(5);
@@ -1186,16 +1215,15 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
     _tile_stored(5, o + 256, 64);
     _tile_stored(6, o + 512, 64);
     _tile_stored(7, o + 768, 64);
-    float inv[16];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(sum, _mm512_set1_ps(FLT_MIN))));
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
-    for (int64_t m = 0; m < 16 && 16 * t + m < stacked; m++) { /* O^T's column m is the row's output */
-        const int64_t r = 16 * t + m, i = r / group, h = g * group + r % group;
-        bf16 *dst = j->out + (i * j->heads + h) * dim;
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 x = _mm512_i32gather_ps(column, o + 16 * d + m, 4);
-            _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, _mm512_set1_ps(inv[m]))));
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(sum, _mm512_set1_ps(FLT_MIN)));
+    for (int64_t dt = 0; dt < dtiles; dt++) { /* O^T's 16 x 16 blocks transposed: row m's 16 dims */
+        __m512i r[16];
+        for (int64_t d = 0; d < 16; d++) r[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(o + (dt * 16 + d) * 16), inv));
+        transpose16_epi32(r);
+        for (int64_t m = 0; m < 16 && 16 * t + m < stacked; m++) {
+            const int64_t row = 16 * t + m, i = row / group, h = g * group + row % group;
+            _mm256_storeu_si256((__m256i *)(j->out + (i * j->heads + h) * dim + dt * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[m])));
         }
     }
 }
