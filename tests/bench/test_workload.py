@@ -117,6 +117,9 @@ def test_presets_match_the_field_table() -> None:
         PRESETS["summarize"].input_len == "uniform:4096,8192"
         and PRESETS["summarize"].output_len == "uniform:256,512"
     )
+    scaled = PRESETS["chat-scaled"]  # chat's prompts, shorter answers, open-loop arrivals
+    assert scaled.input_len == chat.input_len and scaled.output_len == "uniform:64,256"
+    assert scaled.arrival.kind == "poisson"
     cpu = PRESETS["cpu-chat"]
     assert cpu.arrival.kind == "poisson" and cpu.input_len.startswith("longtail:200,1500,0.05")
     # Offered decode load stays near what 2 cores sustain for a 135M model (about 20-30 tok/s).

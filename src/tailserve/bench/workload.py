@@ -65,6 +65,16 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 warmup_s=30.0,
             ),
             Preset(
+                "chat-scaled",
+                "chat's prompts with answers scaled to 64-256 tokens, Poisson 0.4 req/s: for capacity "
+                "searches under the chat SLA (docs/BENCH.md)",
+                "uniform:512,2048",
+                "uniform:64,256",
+                ArrivalSpec(kind="poisson", rate_per_s=0.4),
+                duration_s=300.0,
+                warmup_s=30.0,
+            ),
+            Preset(
                 "cpu-chat",
                 "chat scaled for a 2-core CPU serving a ~135M model: input lognormal median 200 with 5% "
                 "at ~1500, output 32-128, Poisson 0.25 req/s (~20 output tok/s offered; docs/BENCH.md)",
