@@ -9,7 +9,7 @@ from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tailserve.engine import LLMEngine, SamplingParams
 from tailserve.engine.policy import FcfsPolicy, PrefillItem, SloPolicy, order_prefills
 from tailserve.engine.request import Request, RequestTimings
-from tailserve.engine.stats import StepTimer
+from tailserve.engine.stats import StepTimer, prompt_pairs
 from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, tokens_ahead
 from tailserve.weights.loader import LoadedModel
 
@@ -237,3 +237,34 @@ def test_urgent_slack_turns_shortest_first_into_deadline_order() -> None:
         ahead = tokens_ahead(policy, [PrefillItem(375, now + 0.45, 0.55, 0)], newcomer, now)
         assert ahead == (375 if slack == 1.0 else 0)
     assert orders == {0.25: ["short", "long"], 1.0: ["long", "short"]}
+
+
+def test_step_timer_prices_the_context_a_prompt_attends_to() -> None:
+    """Prompt attention reads every earlier position, so a 256-token chunk late in a 2,000-token
+    prompt costs more than the first: steps that mixed chunks at every context teach the timer a
+    price per token and one per query-key pair, and a long prompt is predicted within 3%, where a
+    single price per token (what the timer falls back to) is off by more than 15%."""
+
+    @dataclass
+    class Plan:
+        num_tokens: int
+        num_prefill_tokens: int
+        prompt_pairs: int | None
+
+    def cost_s(decodes: int, prompt: int, pairs: int) -> float:
+        return 0.009 + 0.0005 * decodes + 0.0003 * prompt + 0.3e-6 * pairs
+
+    timer, single = StepTimer(budget_tokens=256), StepTimer(budget_tokens=256)
+    running = 4
+    for t in (timer, single):
+        t.record(Plan(running, 0, 0), cost_s(running, 0, 0))
+    for start in (0, 256, 0, 512, 768, 0, 256, 1024, 0, 512, 1280, 0):
+        pairs = prompt_pairs(256, start)
+        timer.record(Plan(running + 256, 256, pairs), cost_s(running, 256, pairs))
+        single.record(Plan(running + 256, 256, None), cost_s(running, 256, pairs))
+    tokens = 2048
+    truth = sum(cost_s(running, 256, prompt_pairs(256, s)) for s in range(0, tokens, 256))
+    predicted = timer.estimate_s(tokens, running, 256, prompt_pairs(tokens, 0))
+    assert abs(predicted - truth) / truth < 0.03
+    flat = single.estimate_s(tokens, running, 256, prompt_pairs(tokens, 0))
+    assert abs(flat - truth) / truth > 0.15

@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.request import Request, tpot_target_s, ttft_target_s
-from tailserve.engine.stats import StepTimer
+from tailserve.engine.stats import StepTimer, prompt_pairs
 
 
 class PrefillItem(NamedTuple):
@@ -41,6 +41,7 @@ class PrefillItem(NamedTuple):
     ttft_s: float  # its TTFT target
     seq_no: int  # arrival order
     resumed: bool = False  # it streamed before a preemption: its TTFT is history
+    start: int = 0  # tokens before the work left (computed or cached): the context its first token attends
 
 
 class PrefillRank(NamedTuple):
@@ -75,7 +76,9 @@ def prefill_item(req: Request, slo_ttft_s: float) -> PrefillItem:
     """A queued or prefilling request as the order sees it (`slo_ttft_s`: the target of one without its own)."""
     ttft_s = ttft_target_s(req.slo, slo_ttft_s)
     resumed = req.timings.first_token is not None
-    return PrefillItem(req.prompt_work_tokens, req.timings.arrival + ttft_s, ttft_s, req.seq_no, resumed)
+    work = req.prompt_work_tokens
+    start = max(len(req.token_ids) - work, 0)
+    return PrefillItem(work, req.timings.arrival + ttft_s, ttft_s, req.seq_no, resumed, start)
 
 
 def order_prefills(
@@ -128,27 +131,26 @@ class SloPolicy:
         # Output tokens a running request is expected to produce still (default: up to max_tokens).
         self.tokens_left = tokens_left or (lambda r: max(r.params.max_tokens - r.num_output_tokens, 1))
 
-    def _prefill_s(self, tokens: int) -> float:
-        return self.timer.estimate_s(tokens, 0)  # at the full budget a step
+    def _prefill_s(self, tokens: int, start: int) -> float:
+        return self.timer.estimate_s(
+            tokens, 0, pairs=prompt_pairs(tokens, start)
+        )  # at the full budget a step
 
-    def _slack_s(self, remaining_tokens: int, deadline: float, now: float) -> float:
-        return deadline - now - self._prefill_s(remaining_tokens)
-
-    def _urgent(self, remaining_tokens: int, deadline: float, ttft_s: float, now: float) -> bool:
-        # Urgent once the slack left beyond its own prefill time is under --urgent-slack x the target.
-        return self._slack_s(remaining_tokens, deadline, now) < self.config.urgent_slack * ttft_s
+    def _slack_s(self, item: PrefillItem, now: float) -> float:
+        return item.deadline - now - self._prefill_s(item.tokens, item.start)
 
     def rank(self, item: PrefillItem, now: float) -> PrefillRank:
-        tokens, deadline, ttft_s, seq_no, resumed = item
+        tokens, deadline, ttft_s, seq_no, resumed, _ = item
         if resumed:
             # Resumed after a preemption: it streams already, so its TTFT is history and what
             # matters is getting its stream going again, first.
             return PrefillRank(False, 0, deadline, seq_no)
-        if self._slack_s(tokens, deadline, now) < 0:
+        slack_s = self._slack_s(item, now)
+        if slack_s < 0:
             # Past saving: its prefill, even at the full budget from now on, is predicted to end
             # after its deadline. Most overdue first: bounded lateness.
             return PrefillRank(True, 0, deadline, seq_no)
-        if self._urgent(tokens, deadline, ttft_s, now):
+        if slack_s < self.config.urgent_slack * ttft_s:  # urgent: little slack beyond its own prefill
             return PrefillRank(False, 0, deadline, seq_no)
         # Smith's rule with weight 1 / target: the least prompt x target first minimises the sum of
         # TTFT / target; with equal targets it is shortest first.

@@ -21,7 +21,7 @@ from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SchedulePolicy, make_policy, order_prefills, prefill_item
 from tailserve.engine.request import Request, RequestStatus
-from tailserve.engine.stats import EngineStats, Ewma, StepTimer
+from tailserve.engine.stats import EngineStats, Ewma, StepTimer, prompt_pairs
 from tailserve.engine.wait_model import QueueSnapshot
 from tailserve.errors import ContextLengthExceededError
 
@@ -47,6 +47,12 @@ class StepPlan:
     @property
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decodes
+
+    @property
+    def prompt_pairs(self) -> int:
+        """Query-key pairs of the step's prompt chunks (`prompt_pairs`); read before `postprocess`,
+        while each request's computed tokens are still those before this step."""
+        return sum(prompt_pairs(n, req.num_computed_tokens) for req, n in self.scheduled[self.num_decodes :])
 
 
 class Scheduler:

@@ -225,9 +225,11 @@ class Ewma:
 
 
 class StepTimer:
-    """Predicts step times from recent steps: decode-only step seconds and prefill seconds per token."""
+    """Predicts step times from recent steps: decode-only step seconds and prefill seconds per token,
+    the latter split into a price per prompt token and one per query-key pair (see `record`)."""
 
     PREFILL_HEAVY_TOKENS = 32  # a step with at least this many prompt tokens prices a prompt token
+    PAIR_FORGET = 0.05  # the pair fit's weight of a step decays by this per later prompt step (~20 steps)
 
     def __init__(self, alpha: float = 0.2, budget_tokens: int = 256) -> None:
         self.alpha = alpha
@@ -237,6 +239,11 @@ class StepTimer:
         self._decode_step_s: float | None = None
         self._per_token_s: float | None = None
         self._any_step_s: float | None = None  # every step, whatever its mix
+        # Exponentially weighted sums of the least-squares fit own = a x tokens + b x pairs:
+        # tokens^2, tokens x pairs, pairs^2, tokens x own, pairs x own.
+        self._fit = [0.0] * 5
+        self._context: float | None = None  # recent pairs per prompt token (the mean context attended)
+        self._pair_price: tuple[float, float] | None = None  # (a, b) once the fit is determined
 
     def record(self, plan: Any, seconds: float) -> None:
         prompt = int(plan.num_prefill_tokens)
@@ -249,15 +256,41 @@ class StepTimer:
             # the step, for when the decode step time is stale (measured in a steal spike).
             own = max(seconds - (self._decode_step_s or 0.0), 0.25 * seconds)
             self._per_token_s = self._ewma(self._per_token_s, own / prompt)
+            pairs = getattr(plan, "prompt_pairs", None)
+            if pairs is not None:
+                self._fit_pairs(prompt, int(pairs), own)
         self._any_step_s = self._ewma(self._any_step_s, seconds)
         self.steps += 1
         self.last_step_s = seconds
+
+    def _fit_pairs(self, tokens: int, pairs: int, own: float) -> None:
+        """A prompt token's price grows with the context it attends to (prompt attention reads
+        every earlier position): fit what a step took beyond its decode step as a x tokens + b x
+        pairs (`prompt_pairs`), least squares over recent prompt steps. A single price per token
+        priced a 2,000-token prompt's late chunks like its first ones (issue 40). Until steps of
+        different contexts have been seen, or where the fit would make either price negative,
+        it keeps the single price."""
+        keep = 1.0 - self.PAIR_FORGET
+        f = self._fit
+        for i, v in enumerate((tokens * tokens, tokens * pairs, pairs * pairs, tokens * own, pairs * own)):
+            f[i] = keep * f[i] + v
+        self._context = self._ewma(self._context, pairs / tokens)
+        tt, tp, pp, ty, py = f
+        det = tt * pp - tp * tp
+        if det <= 1e-6 * tt * pp:  # every step had the same context per token: b is not determined
+            return
+        a, b = (ty * pp - py * tp) / det, (py * tt - ty * tp) / det
+        self._pair_price = (a, b) if a > 0 and b >= 0 else self._pair_price
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
 
     def coefficients(self) -> tuple[float, float]:
-        """(seconds of a decode-only step, seconds per prompt token); zeros until measured."""
+        """(seconds of a decode-only step, seconds per prompt token at the context prompts attend to
+        now); zeros until measured."""
+        if self._pair_price is not None and self._context is not None:
+            a, b = self._pair_price
+            return self._decode_step_s or 0.0, a + b * self._context
         return self._decode_step_s or 0.0, self._per_token_s or 0.0
 
     def recent_step_s(self) -> float:
@@ -265,10 +298,23 @@ class StepTimer:
         token. Under load most steps carry prefill, and a decode-only step is the exception."""
         return max(self._any_step_s or 0.0, self._decode_step_s or 0.0)
 
-    def estimate_s(self, tokens: int, running: int, per_step_tokens: int | None = None) -> float:
+    def estimate_s(
+        self, tokens: int, running: int, per_step_tokens: int | None = None, pairs: int | None = None
+    ) -> float:
         """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes:
-        each step costs a decode step (its fixed part) plus its prompt tokens at their price."""
+        each step costs a decode step (its fixed part) plus its prompt tokens at their price.
+        `pairs`: the tokens' query-key pairs (`prompt_pairs`), priced by the pair fit once it is
+        determined; None prices them at the context prompts attend to now."""
         step_s, per_token = self.coefficients()
         per_step = max(min(per_step_tokens or self.budget_tokens, self.budget_tokens - running), 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
+        if pairs is not None and self._pair_price is not None:
+            a, b = self._pair_price
+            return steps * step_s + tokens * a + pairs * b
         return steps * step_s + tokens * per_token
+
+
+def prompt_pairs(tokens: int, start: int) -> int:
+    """Query-key pairs of `tokens` prompt tokens after `start` tokens of context, causal: the sum of
+    (position + 1) over them, what prompt attention's work grows with."""
+    return tokens * start + tokens * (tokens + 1) // 2

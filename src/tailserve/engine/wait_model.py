@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from tailserve.engine.policy import PrefillItem, PrefillRank
-from tailserve.engine.stats import StepTimer
+from tailserve.engine.stats import StepTimer, prompt_pairs
 
 NEWCOMER_SEQ_NO = sys.maxsize  # a newcomer arrives after everyone queued: it loses every tie
 UNSEEN_SEQ_NO = (
@@ -57,17 +57,22 @@ def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
     return PrefillItem(tokens, arrival + ttft_s, ttft_s, UNSEEN_SEQ_NO)
 
 
-def tokens_ahead(rules: PlanRules, pending: Sequence[PrefillItem], newcomer: PrefillItem, now: float) -> int:
-    """Queued prompt tokens the planner would prefill before `newcomer`: those it ranks ahead. Work
+def work_ahead(
+    rules: PlanRules, pending: Sequence[PrefillItem], newcomer: PrefillItem, now: float
+) -> list[PrefillItem]:
+    """The queued prompts the planner would prefill before `newcomer`: those it ranks ahead. Work
     past saving is never ahead of a savable newcomer: it only keeps its reserve
     (`savable_tokens_per_step`); a newcomer past saving itself has every savable prompt ahead and
     the late ones the rank puts first (earlier deadlines)."""
     mine = rules.rank(newcomer, now)
-    return sum(
-        p.tokens
-        for p in pending
-        if (r := rules.rank(p, now)) < mine and (mine.past_saving or not r.past_saving)
-    )
+    return [
+        p for p in pending if (r := rules.rank(p, now)) < mine and (mine.past_saving or not r.past_saving)
+    ]
+
+
+def tokens_ahead(rules: PlanRules, pending: Sequence[PrefillItem], newcomer: PrefillItem, now: float) -> int:
+    """Queued prompt tokens the planner would prefill before `newcomer` (`work_ahead`)."""
+    return sum(p.tokens for p in work_ahead(rules, pending, newcomer, now))
 
 
 def savable_tokens_per_step(rules: PlanRules, cap: int) -> int:
@@ -111,15 +116,20 @@ class WaitModel:
         target = self.slo_ttft_s if ttft_s is None else ttft_s
         pending, rules = snapshot.pending, self.rules
         newcomer = PrefillItem(num_prompt_tokens, now + target, target, NEWCOMER_SEQ_NO)
-        ahead = tokens_ahead(rules, pending, newcomer, now)
+        before = work_ahead(rules, pending, newcomer, now)
+        ahead = sum(p.tokens for p in before)
         mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
         per_step = snapshot.prefill_cap
         if not mine.past_saving and any(r.past_saving for r in ranks):
             per_step = savable_tokens_per_step(rules, per_step)  # the late ones keep their reserve
-        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step)
+        own_pairs = prompt_pairs(num_prompt_tokens, 0)
+        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step, own_pairs)
         prefill_s = own_s
         if ahead:
-            prefill_s = self.timer.estimate_s(ahead + num_prompt_tokens, snapshot.num_running, per_step)
+            pairs = own_pairs + sum(prompt_pairs(p.tokens, p.start) for p in before)
+            prefill_s = self.timer.estimate_s(
+                ahead + num_prompt_tokens, snapshot.num_running, per_step, pairs
+            )
         if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
             return Wait(prefill_s, own_s)  # room in the batch for everyone queued and the newcomer
         # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
