@@ -444,6 +444,31 @@ def test_fused_forward_matches_the_torch_path_on_the_real_model(lib: ctypes.CDLL
     assert agree >= 0.9 * total, f"{agree}/{total} rows agree on the top token"
 
 
+def test_a_prompt_chunked_or_batched_gives_the_same_logits_on_amx(
+    lib: ctypes.CDLL, isa: str, smol: LoadedModel
+) -> None:
+    """The real model on AMX: a 40-token prompt in one chunk, in chunks of 19 + 21 (off a block
+    boundary, both on the prompt attention kernel), and beside another prompt in one step: the same
+    logits bit for bit (every kernel of the int4 plan's prompt rows is row-wise there)."""
+    if isa != "amx":
+        pytest.skip(f"the {isa} build's prompt matmuls are oneDNN's, whose sums may follow the row count")
+    runner = _runner(smol, True)
+    text = "The river Tiber runs through the city of Rome, and its bridges carry people, carts and stories "
+    prompt = smol.tokenizer.encode(text * 3)[:40]
+    other = smol.tokenizer.encode(
+        "Alice was beginning to get very tired of sitting by her sister on the bank"
+    )
+    greedy = SamplingSpec(temperature=0.0)
+    whole = runner.logits_for([SeqChunk(prompt, 0, [0, 1, 2], False, greedy)])
+    first = runner.logits_for([SeqChunk(prompt[:19], 0, [3, 4, 5], False, greedy)])
+    rest = runner.logits_for([SeqChunk(prompt[19:], 19, [3, 4, 5], False, greedy)])
+    assert torch.equal(torch.cat([first, rest]), whole)
+    beside = runner.logits_for(
+        [SeqChunk(other, 0, [6, 7], False, greedy), SeqChunk(prompt, 0, [8, 9, 10], False, greedy)]
+    )
+    assert torch.equal(beside[len(other) :], whole)
+
+
 @pytest.fixture
 def threads() -> Iterator[Callable[[int], int]]:
     """Sets torch's and the kernels' thread count together (as `--num-threads` does); restored after."""
