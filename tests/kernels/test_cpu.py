@@ -304,12 +304,12 @@ def _assert_causal_softmax(
     )
 
 
-def _prompt_case(heads: int, kv_heads: int, dim: int, spans: list[tuple[int, int]], seed: int) -> tuple[
-    torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]
-]:  # fmt: skip
+def _prompt_case(
+    heads: int, kv_heads: int, dim: int, spans: list[tuple[int, int]], seed: int, bs: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """A cache shared by several sequences, each with its own shuffled block table, and per sequence
-    the q|k|v rows of its chunk (start_pos, rows) (only q is read: K/V are already in the cache)."""
-    bs = 16
+    the q|k|v rows of its chunk (start_pos, rows) (only q is read: K/V are already in the cache).
+    Every slot no sequence has reached holds NaN, as a reused pool may hold anything there."""
     widths = [-(-(start + rows) // bs) for start, rows in spans]
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(widths) + 3
@@ -317,6 +317,12 @@ def _prompt_case(heads: int, kv_heads: int, dim: int, spans: list[tuple[int, int
     v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
     order = torch.randperm(num_blocks, generator=g)
     tables = list(torch.split(order[: sum(widths)], widths))
+    unreached = torch.ones(num_blocks * bs, dtype=torch.bool)
+    for (start, rows), table in zip(spans, tables, strict=True):
+        slots = (table[:, None] * bs + torch.arange(bs)).flatten()[: start + rows]
+        unreached[slots] = False
+    k_cache[unreached] = float("nan")
+    v_cache[unreached] = float("nan")
     qkv = [
         _bf(rows, (heads + 2 * kv_heads) * dim, seed=seed + i, scale=2.0) for i, (_, rows) in enumerate(spans)
     ]
@@ -349,6 +355,20 @@ def test_paged_prompt_attention_equals_causal_softmax_over_the_cache(
         assert got is not None
         q = chunk[:, : heads * dim].reshape(rows, heads, dim)
         _assert_causal_softmax(got, q, k_cache, v_cache, table, start)
+
+
+def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) -> None:
+    """Blocks of 32 and 64 positions (16 keys of a tile always share one block)."""
+    _amx_prompt_kernel(lib, isa)
+    spans = [(0, 45), (40, 70)]
+    for bs in (32, 64):
+        k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, spans, seed=bs, bs=bs)
+        for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
+            got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, 9, 3, 64, bs)
+            assert got is not None
+            _assert_causal_softmax(
+                got, chunk[:, : 9 * 64].reshape(rows, 9, 64), k_cache, v_cache, table, start, bs
+            )
 
 
 def test_paged_prompt_attention_declines_what_it_cannot_run(lib: ctypes.CDLL, isa: str) -> None:
