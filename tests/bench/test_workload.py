@@ -154,3 +154,10 @@ def test_trace_bad_lines_are_reported_with_numbers(tmp_path: Path) -> None:
     assert "line 2" in message and "line 3" in message and "line 4" in message and "line 1:" not in message
     with pytest.raises(TraceFileError):
         load_trace(str(tmp_path / "missing.jsonl"))
+
+
+def test_every_preset_can_be_asked_for_by_name() -> None:
+    """The CLI names its presets without importing the workload module: the two lists are one."""
+    from tailserve.bench import cli
+
+    assert set(cli._PRESETS) == set(PRESETS)

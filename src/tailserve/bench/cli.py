@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-_PRESETS = ("chat", "code", "summarize", "cpu-chat")
+_PRESETS = ("chat", "chat-scaled", "code", "summarize", "cpu-chat")  # = bench.workload.PRESETS (tested)
 _ARRIVALS = ("poisson", "gamma", "constant", "ramp", "closed")
 
 
