@@ -40,9 +40,9 @@ def attach(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
     """Run `model`'s forward through the fused CPU kernels from now on, if they build and fit it;
     its bf16 linears also keep their weights prepacked for oneDNN's prompt rows."""
     lib = cpu_kernels.load() if supports(model, kv_dtype) else None
-    cpu_kernels.tile_isa()  # asks the OS for AMX tile data, which both attention kernels use where granted
     model.fused = None if lib is None else FusedCpuForward(model, lib)
     if model.fused is not None:
+        cpu_kernels.tile_isa()  # asks the OS for AMX tile data, which both attention kernels use where granted
         for linear in model.prompt_linears():
             linear.pack_for_cpu()
     return model.fused is not None
