@@ -191,6 +191,46 @@ def test_norm_residual_and_silu_kernels_match_torch(lib: ctypes.CDLL) -> None:
     _assert_within_bf16(act, F.silu(g) * u)
 
 
+def test_silu_rows_of_any_width_and_extreme_values_round_as_the_scalar_formula(lib: ctypes.CDLL) -> None:
+    """SiLU x up runs 16 lanes at a time where AVX-512 is: widths with a scalar tail, many rows (the
+    pool splits them), large, tiny and NaN gates: each output is the float32 formula rounded to
+    bf16, to the last bit but for a rare tie (e^x by polynomial, not expf)."""
+    rows, inter = 700, 83
+    gu = _bf(rows, 2 * inter, seed=11, scale=8.0)
+    gu[0, :6] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30, float("nan")])
+    act = torch.empty(rows, inter, dtype=torch.bfloat16)
+    lib.ts_silu_mul(ptr(gu), ptr(act), rows, inter)
+    g, u = gu.float().chunk(2, dim=-1)
+    want = (g / (1.0 + torch.exp(-g)) * u).to(torch.bfloat16)
+    same = (act == want) | (act.isnan() & want.isnan())  # (-0 == 0)
+    one_ulp = same | ((act.view(torch.int16).int() - want.view(torch.int16).int()).abs() <= 1)
+    assert bool(one_ulp.all()), (act[~one_ulp][:8], want[~one_ulp][:8])
+    assert same.float().mean() > 0.999
+
+
+def test_rope_over_many_rows_equals_rope_row_by_row(lib: ctypes.CDLL) -> None:
+    """The pool splits a prompt's rows: each row is rotated and written as it is alone."""
+    rows, heads, kv_heads, dim = 600, 9, 3, 64
+    qkv = _bf(rows, (heads + 2 * kv_heads) * dim, seed=12)
+    positions = torch.arange(rows) * 3 % 1024
+    slots = torch.randperm(rows, generator=torch.Generator().manual_seed(13))
+    freqs = torch.outer(torch.arange(1024).double(), 1e4 ** -(torch.arange(0, dim, 2).double() / dim))
+    cos_half, sin_half = freqs.cos().float().contiguous(), freqs.sin().float().contiguous()
+    caches = [torch.zeros(rows, kv_heads, dim, dtype=torch.bfloat16) for _ in range(4)]
+    together, alone = qkv.clone(), qkv.clone()
+    lib.ts_rope_write_kv(
+        ptr(together), ptr(positions), ptr(cos_half), ptr(sin_half), ptr(slots), ptr(caches[0]),
+        ptr(caches[1]), rows, heads, kv_heads, dim,
+    )  # fmt: skip
+    for r in range(rows):
+        lib.ts_rope_write_kv(
+            ptr(alone[r]), ptr(positions[r:]), ptr(cos_half), ptr(sin_half), ptr(slots[r:]), ptr(caches[2]),
+            ptr(caches[3]), 1, heads, kv_heads, dim,
+        )  # fmt: skip
+    assert torch.equal(together, alone)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def test_rope_rotates_q_and_k_in_place_and_writes_k_v_to_their_slots(lib: ctypes.CDLL) -> None:
     rows, heads, kv_heads, dim, positions_max = 4, 6, 2, 32, 64
     qkv = _bf(rows, (heads + 2 * kv_heads) * dim, seed=5)

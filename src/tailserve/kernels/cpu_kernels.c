@@ -164,12 +164,91 @@ void ts_add_rms_norm(float *h, const bf16 *delta, int64_t delta_stride, const fl
     parallel_rows(add_rms_norm_rows, &a, rows, dim);
 }
 
+/* Rotary embedding (rotate-half layout) of q and k in place inside the fused qkv rows, then the
+ * rotated k and the v of every row written to the cache at its slot.
+ * qkv bf16 [rows, (heads + 2 * kv_heads) * dim]; cos_half / sin_half float32 [positions, dim / 2];
+ * k_cache / v_cache bf16 [slots, kv_heads, dim]. */
+typedef struct {
+    bf16 *qkv;
+    const int64_t *positions, *slots;
+    const float *cos_half, *sin_half;
+    bf16 *k_cache, *v_cache;
+    int64_t heads, kv_heads, dim;
+} rope_args;
+
+static void rope_write_kv_rows(const void *arg, int64_t r0, int64_t r1) {
+    const rope_args *a = (const rope_args *)arg;
+    const int64_t dim = a->dim, half = dim / 2, heads = a->heads, kv_heads = a->kv_heads;
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    const int64_t kv_width = kv_heads * dim;
+    for (int64_t r = r0; r < r1; r++) {
+        bf16 *row = a->qkv + r * width;
+        const float *c = a->cos_half + a->positions[r] * half;
+        const float *s = a->sin_half + a->positions[r] * half;
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
+            bf16 *x = row + hd * dim;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+                x[i] = f32_to_bf16(x1 * c[i] - x2 * s[i]);
+                x[i + half] = f32_to_bf16(x2 * c[i] + x1 * s[i]);
+            }
+        }
+        memcpy(a->k_cache + a->slots[r] * kv_width, row + heads * dim, (size_t)kv_width * sizeof(bf16));
+        memcpy(a->v_cache + a->slots[r] * kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(bf16));
+    }
+}
+
+/* Rows split over the pool like the norms: every row writes its own cache slot. */
+void ts_rope_write_kv(bf16 *qkv, const int64_t *positions, const float *cos_half, const float *sin_half,
+                      const int64_t *slots, bf16 *k_cache, bf16 *v_cache, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t dim) {
+    const rope_args a = {qkv, positions, slots, cos_half, sin_half, k_cache, v_cache, heads, kv_heads, dim};
+    parallel_rows(rope_write_kv_rows, &a, rows, (heads + 2 * kv_heads) * dim);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 bf16 values at p, widened to float32. */
+static inline __m512 load16_bf16(const bf16 *p) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* 16 float32 values rounded to bf16 at p, as f32_to_bf16 rounds each (nearest even, NaN quiet). */
+static inline void store16_bf16(bf16 *p, __m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+/* e^x, 16 at a time: 2^(x log2 e) split into 2^n 2^f, the fraction by its Taylor series. */
+static inline __m512 exp512(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n); /* 2^t = 2^n * 2^f, |f| <= 1/2; 2^f = e^(f ln 2), Taylor to f^7 */
+    __m512 p = _mm512_set1_ps(1.5252734e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 typedef struct {
     const bf16 *gu;
     bf16 *out;
     int64_t inter;
 } silu_args;
 
+/* Rows of out = bf16(silu(gate) * up), the float32 arithmetic of the scalar loop 16 lanes at a time
+ * where AVX-512 is (e^-x from exp512, within a few float32 ulps of expf: the same bf16 result but
+ * for rare last-bit ties). */
 static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
     const silu_args *a = (const silu_args *)arg;
     const int64_t inter = a->inter;
@@ -177,7 +256,17 @@ static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
         const bf16 *g = a->gu + r * 2 * inter;
         const bf16 *u = g + inter;
         bf16 *o = a->out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = load16_bf16(g + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+            store16_bf16(o + i, _mm512_mul_ps(silu, load16_bf16(u + i)));
+        }
+#endif
+        for (; i < inter; i++) {
             float x = bf16_to_f32(g[i]);
             o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
         }
@@ -189,42 +278,6 @@ void ts_silu_mul(const bf16 *gu, bf16 *out, int64_t rows, int64_t inter) {
     const silu_args a = {gu, out, inter};
     parallel_rows(silu_mul_rows, &a, rows, 2 * inter);
 }
-
-/* Rotary embedding (rotate-half layout) of q and k in place inside the fused qkv rows, then the
- * rotated k and the v of every row written to the cache at its slot.
- * qkv bf16 [rows, (heads + 2 * kv_heads) * dim]; cos_half / sin_half float32 [positions, dim / 2];
- * k_cache / v_cache bf16 [slots, kv_heads, dim]. */
-void ts_rope_write_kv(bf16 *qkv, const int64_t *positions, const float *cos_half, const float *sin_half,
-                      const int64_t *slots, bf16 *k_cache, bf16 *v_cache, int64_t rows, int64_t heads,
-                      int64_t kv_heads, int64_t dim) {
-    const int64_t half = dim / 2;
-    const int64_t width = (heads + 2 * kv_heads) * dim;
-    const int64_t kv_width = kv_heads * dim;
-    for (int64_t r = 0; r < rows; r++) {
-        bf16 *row = qkv + r * width;
-        const float *c = cos_half + positions[r] * half;
-        const float *s = sin_half + positions[r] * half;
-        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
-            bf16 *x = row + hd * dim;
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
-                x[i] = f32_to_bf16(x1 * c[i] - x2 * s[i]);
-                x[i + half] = f32_to_bf16(x2 * c[i] + x1 * s[i]);
-            }
-        }
-        memcpy(k_cache + slots[r] * kv_width, row + heads * dim, (size_t)kv_width * sizeof(bf16));
-        memcpy(v_cache + slots[r] * kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(bf16));
-    }
-}
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* 16 bf16 values at p, widened to float32. */
-static inline __m512 load16_bf16(const bf16 *p) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
 
 /* scores[j] = q[j] . k over dim for the `group` query heads that share the key row k. */
 static inline __attribute__((always_inline)) void dot_group(const float *qf, const bf16 *k, int64_t group, int64_t dim, float *scores,
@@ -612,20 +665,6 @@ static inline void amx_tile(const bf16 *x, int64_t k, const void *w, int q4, con
  * the tile's pair layout, zeros elsewhere), all kv heads summed into one 16 keys x 16 heads tile,
  * so no horizontal sums. Scores are [keys][16] float32; softmax runs over all heads at once; values
  * stay on AVX-512 FMAs. Needs heads <= 16, dim % 32 == 0, block_size % 16 == 0 (1: it ran). */
-static inline __m512 exp512(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n); /* 2^t = 2^n * 2^f, |f| <= 1/2; 2^f = e^(f ln 2), Taylor to f^7 */
-    __m512 p = _mm512_set1_ps(1.5252734e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 
 static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table,
