@@ -1,0 +1,122 @@
+"""How far the step timer's prediction of each step is from the step (issue 40 item 2): the engine in
+process, in real time, serving Poisson arrivals of the chat-scaled lengths (prompts of 512-2,048
+tokens, answers of 64-256), no HTTP. Before each step is recorded, the timer (fed every earlier step)
+predicts it three ways; the error is (predicted - measured) / measured:
+
+- `pairs`: decode step + a x prompt tokens + b x query-key pairs (the fit the wait model uses);
+- `single`: decode step + one price per prompt token (what it used before, and its fallback);
+- `decode`: for steps without prompt tokens, the decode-step average (rows are not in it).
+
+    .venv/bin/python benchmarks/step_cost_error.py --rate 0.5 --requests 60 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from machine import git_commit, machine_line
+
+from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tailserve.engine.llm_engine import LLMEngine
+from tailserve.engine.request import SamplingParams
+from tailserve.engine.stats import StepTimer
+
+
+def predictions(timer: StepTimer, plan: Any) -> dict[str, float]:
+    """What the timer, as it stands before `plan` is recorded, predicts the step takes."""
+    tokens = int(plan.num_prefill_tokens)
+    decode_s, _ = timer.coefficients()
+    if tokens == 0:
+        return {"decode": decode_s}
+    single = decode_s + tokens * (timer._per_token_s or 0.0)
+    pair_price = timer._pair_price
+    pairs = (
+        single
+        if pair_price is None
+        else decode_s + tokens * pair_price[0] + plan.prompt_pairs * pair_price[1]
+    )
+    return {"pairs": pairs, "single": single}
+
+
+def run(rate: float, requests: int, threads: int, seed: int) -> dict[str, list[float]]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model="default", num_threads=threads),
+            cache=CacheConfig(enable_prefix_caching=False),
+            scheduler=SchedulerConfig(),
+        )
+    )
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / rate, requests))
+    prompts = rng.integers(512, 2049, requests)
+    outputs = rng.integers(64, 257, requests)
+    vocab = engine.arch.vocab_size
+    timer = engine.scheduler.timer
+    errors: dict[str, list[float]] = {"pairs": [], "single": [], "decode": []}
+    record = timer.record
+
+    def judged(plan: Any, seconds: float) -> None:
+        if timer.steps > 20:  # after the warm-up request's steps
+            for name, predicted in predictions(timer, plan).items():
+                errors[name].append((predicted - seconds) / seconds)
+        record(plan, seconds)
+
+    timer.record = judged  # type: ignore[method-assign]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    engine.add_request("warm-up", [(j * 31) % (vocab - 3) + 3 for j in range(600)], greedy)
+    while engine.has_unfinished():
+        engine.step()
+    t0, i = time.monotonic(), 0
+    while i < requests or engine.has_unfinished():
+        while i < requests and times[i] <= time.monotonic() - t0:
+            ids = [(i * 7919 + j * 31) % (vocab - 3) + 3 for j in range(int(prompts[i]))]
+            params = SamplingParams(max_tokens=int(outputs[i]), ignore_eos=True, temperature=0.0)
+            engine.add_request(f"r{i}", ids, params)
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(0.001)
+            continue
+        engine.step()
+    return errors
+
+
+def summary(errors: Sequence[float]) -> dict[str, float]:
+    if not errors:
+        return {"steps": 0}
+    absolute = sorted(abs(e) for e in errors)
+    return {
+        "steps": len(errors),
+        "median_error": statistics.median(errors),
+        "median_abs_error": statistics.median(absolute),
+        "p90_abs_error": absolute[int(0.9 * (len(absolute) - 1))],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=0.5)
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    errors = run(args.rate, args.requests, args.threads, args.seed)
+    report = {
+        "machine": machine_line(),
+        "commit": git_commit(),
+        "rate": args.rate,
+        "requests": args.requests,
+        "threads": args.threads,
+        **{name: summary(e) for name, e in errors.items()},
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
