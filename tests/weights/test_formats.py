@@ -162,14 +162,15 @@ def test_prompt_rows_on_prepacked_weights_are_within_bf16_of_the_plain_gemm() ->
         )
 
 
-def test_int4_prompt_rows_ignore_their_batch_bit_for_bit() -> None:
+@pytest.mark.parametrize("n_out", [96, 80])  # 80: an odd count of 16-output tiles (the kernel pairs them)
+def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
     """The AMX int4 prompt-row kernel (what the int4 plan runs prompt rows on where AMX is) sums all of
     K per tile in one fixed order: a row's bits are the same in any slice of any batch."""
     if cpu_kernels.amx() is None:
         pytest.skip(
             f"needs AMX (Intel Sapphire Rapids or later); this CPU's tile ISA: {cpu_kernels.tile_isa()}"
         )
-    t = _blocks("Q4_1", 96, 576, seed=11)
+    t = _blocks("Q4_1", n_out, 576, seed=11)
     source = WeightSource(dequantize_tensor(t), int4_from_blocks(t))
     layer = Linear(source, None, "int4", "int4")
     x = torch.randn(300, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
