@@ -915,6 +915,24 @@ static inline void prefill_store(const prefill_job *j, const float *c, int64_t r
     }
 }
 
+/* A thread's grow-only buffer, kept between calls: a fresh allocation of a few hundred KB per call
+ * goes to mmap, and its page faults cost more than the tile work that uses it. NULL: out of memory. */
+typedef struct {
+    bf16 *data;
+    size_t elems;
+} bf16_scratch;
+
+static bf16 *scratch_bf16(bf16_scratch *s, size_t elems) {
+    if (elems > s->elems) {
+        free(s->data);
+        s->data = (bf16 *)aligned_alloc(64, ((elems * sizeof(bf16) + 63) / 64) * 64);
+        s->elems = s->data == NULL ? 0 : elems;
+    }
+    return s->data;
+}
+
+static __thread bf16_scratch widened_scratch; /* a prefill chunk's widened groups */
+
 /* One chunk of ts_q4_prefill_matmul: a run of output-tile pairs for every row. Each pair's groups
  * are widened once, and between the tile products of one pair (AMX) the next pair's groups are
  * widened (AVX-512), so the two units work at once. Blocks of 32 rows x 32 outputs share each A
@@ -923,7 +941,8 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
     const prefill_job *j = (const prefill_job *)arg;
     const int64_t k = j->k, groups = k / GROUP_K, blocks = (j->rows + 31) / 32, p0 = chunk * j->pairs_per_chunk;
     const int64_t p1 = p0 + j->pairs_per_chunk < j->pairs ? p0 + j->pairs_per_chunk : j->pairs;
-    bf16 *widened = (bf16 *)aligned_alloc(64, (size_t)(4 * groups * 512) * sizeof(bf16)); /* two pairs */
+    bf16 *widened = scratch_bf16(&widened_scratch, (size_t)(4 * groups * 512)); /* two pairs */
+    if (widened == NULL) abort(); /* out of memory for a few hundred KB */
     float c[4][256] __attribute__((aligned(64)));
     for (int64_t g = 0; g < groups; g++) widen_pair_group(j, p0, g, widened);
     int64_t config_top = -1, config_bottom = -1;
@@ -970,7 +989,6 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
         }
     }
     _tile_release();
-    free(widened);
 }
 #endif
 
@@ -1340,13 +1358,13 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
     if (!amx_ready || (dim != 32 && dim != 64) || block_size % 16 != 0 || rows < 1 || heads % kv_heads != 0) return 0;
     const int64_t ctx = start_pos + rows, key_blocks = (ctx + PA_KEYS - 1) / PA_KEYS;
     const int64_t row_tiles = (rows * (heads / kv_heads) + 15) / 16;
-    bf16 *vt = (bf16 *)aligned_alloc(64, (size_t)(kv_heads * key_blocks * dim * PA_KEYS) * sizeof(bf16));
+    static __thread bf16_scratch values_scratch; /* the caller's; its chunks only read it */
+    bf16 *vt = scratch_bf16(&values_scratch, (size_t)(kv_heads * key_blocks * dim * PA_KEYS));
     if (vt == NULL) abort();
     const prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
                             block_size, ctx, key_blocks, row_tiles, 8, vt, out, scale * 1.44269504088896341f};
     parallel_chunks(prompt_repack_chunk, &job, kv_heads * ((key_blocks + 7) / 8));
     parallel_chunks(prompt_tile_chunk, &job, kv_heads * ((row_tiles + PA_TILES_PER_CHUNK - 1) / PA_TILES_PER_CHUNK));
-    free(vt);
     return 1;
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_table, (void)rows, (void)start_pos, (void)out;
