@@ -152,7 +152,8 @@ def bench_command(
         command += ["--max-concurrency", str(load.max_concurrency)]
     command += ["--tokenizer", str(tokenizer), "--percentile-metrics", ",".join(PERCENTILE_METRICS)]
     command += ["--metric-percentiles", ",".join(str(p) for p in PERCENTILES), "--disable-tqdm"]
-    command += ["--save-result", "--result-dir", str(result_json.parent)]
+    # --save-detailed keeps each request's TTFT and ITLs: intervals on the percentiles need them
+    command += ["--save-result", "--save-detailed", "--result-dir", str(result_json.parent)]
     command += ["--result-filename", result_json.name]
     return command
 

@@ -94,7 +94,7 @@ def test_a_closed_loop_command_sends_the_random_workload_greedy_without_eos(tmp_
     assert flag(command, "--max-concurrency") == "2"
     assert flag(command, "--percentile-metrics") == "ttft,tpot,itl,e2el"
     assert flag(command, "--metric-percentiles") == "50,95,99"
-    assert "--save-result" in command
+    assert "--save-result" in command and "--save-detailed" in command  # per-request figures for intervals
     assert Path(flag(command, "--result-dir")) / flag(command, "--result-filename") == out
 
 

@@ -874,133 +874,65 @@ static inline void widen_q4_group_dense(const uint8_t *w, const float *scale, co
 #if defined(TS_AMX)
 typedef struct {
     const bf16 *x;
-    int64_t rows, k, n_out, tiles, pairs, pairs_per_chunk;
+    int64_t rows, k, n_out, tiles;
     const uint8_t *packed;
     const float *scale, *min;
     const bf16 *bias;
     bf16 *y;
 } prefill_job;
 
-/* Tiles for 2 x 2 blocks of 32 rows x 32 outputs: C 0-3 (rows top / bottom x outputs left / right),
- * A 4 (top rows) and 5 (bottom rows), B 6 (left) and 7 (right); `bottom` 0 configures one row. */
-static void prefill_config(int64_t top, int64_t bottom) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    const int64_t rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = (uint8_t)(rows[i] > 0 ? rows[i] : 1);
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* Group g of a pair of output tiles widened into its B tiles (a pair past the last tile repeats it). */
-static inline void widen_pair_group(const prefill_job *j, int64_t pair, int64_t g, bf16 *b) {
-    const int64_t groups = j->k / GROUP_K;
-    for (int64_t h = 0; h < 2; h++) {
-        const int64_t t = 2 * pair + h < j->tiles ? 2 * pair + h : 2 * pair;
-        widen_q4_group_dense(j->packed + t * (j->k / 4) * 32 + g * 256, j->scale + (t * groups + g) * 16,
-                             j->min + (t * groups + g) * 16, b + (h * groups + g) * 512);
-    }
-}
-
-/* y[rows, tile t] = c (+ bias), rounded to bf16. */
-static inline void prefill_store(const prefill_job *j, const float *c, int64_t row0, int64_t rows, int64_t t) {
-    if (t >= j->tiles) return;
-    for (int64_t r = 0; r < rows; r++) {
-        __m512 out = _mm512_load_ps(c + r * 16);
-        if (j->bias != NULL) out = _mm512_add_ps(out, load16_bf16(j->bias + t * 16));
-        _mm256_storeu_si256((__m256i *)(j->y + (row0 + r) * j->n_out + t * 16), (__m256i)_mm512_cvtneps_pbh(out));
-    }
-}
-
-/* A thread's grow-only buffer, kept between calls: a fresh allocation of a few hundred KB per call
- * goes to mmap, and its page faults cost more than the tile work that uses it. NULL: out of memory. */
-typedef struct {
-    bf16 *data;
-    size_t elems;
-} bf16_scratch;
-
-static bf16 *scratch_bf16(bf16_scratch *s, size_t elems) {
-    if (elems > s->elems) {
-        free(s->data);
-        s->data = (bf16 *)aligned_alloc(64, ((elems * sizeof(bf16) + 63) / 64) * 64);
-        s->elems = s->data == NULL ? 0 : elems;
-    }
-    return s->data;
-}
-
-static __thread bf16_scratch widened_scratch; /* a prefill chunk's widened groups */
-
-/* One chunk of ts_q4_prefill_matmul: a run of output-tile pairs for every row. Each pair's groups
- * are widened once, and between the tile products of one pair (AMX) the next pair's groups are
- * widened (AVX-512), so the two units work at once. Blocks of 32 rows x 32 outputs share each A
- * and B tile between two products. */
+/* One chunk of ts_q4_prefill_matmul: a pair of output tiles (widened once) for every row.
+ * Two output tiles share each A tile: C tiles 0 and 3, A in 1, B in 2 and 5. */
 static void prefill_chunk(const void *arg, int64_t chunk) {
     const prefill_job *j = (const prefill_job *)arg;
-    const int64_t k = j->k, groups = k / GROUP_K, blocks = (j->rows + 31) / 32, p0 = chunk * j->pairs_per_chunk;
-    const int64_t p1 = p0 + j->pairs_per_chunk < j->pairs ? p0 + j->pairs_per_chunk : j->pairs;
-    bf16 *widened = scratch_bf16(&widened_scratch, (size_t)(4 * groups * 512)); /* two pairs */
-    if (widened == NULL) abort(); /* out of memory for a few hundred KB */
-    float c[4][256] __attribute__((aligned(64)));
-    for (int64_t g = 0; g < groups; g++) widen_pair_group(j, p0, g, widened);
-    int64_t config_top = -1, config_bottom = -1;
-    for (int64_t p = p0; p < p1; p++) {
-        const bf16 *b_left = widened + ((p - p0) & 1) * 2 * groups * 512, *b_right = b_left + groups * 512;
-        bf16 *next = widened + ((p - p0 + 1) & 1) * 2 * groups * 512;
-        int64_t next_group = 0;
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t m0 = 32 * b, left = j->rows - m0, top = left < 16 ? left : 16;
-            const int64_t bottom = left <= 16 ? 0 : left - 16 > 16 ? 16 : left - 16;
-            if (top != config_top || bottom != config_bottom) {
-                prefill_config(top, bottom);
-                config_top = top, config_bottom = bottom;
+    const int64_t k = j->k, groups = k / GROUP_K, t = 2 * chunk;
+    const int64_t pair = j->tiles - t >= 2 ? 2 : 1;
+    bf16 *widened = (bf16 *)aligned_alloc(64, (size_t)(2 * groups * 512) * sizeof(bf16));
+    float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
+    for (int64_t p = 0; p < pair; p++) {
+        const uint8_t *w = j->packed + (t + p) * (k / 4) * 32;
+        for (int64_t g = 0; g < groups; g++)
+            widen_q4_group_dense(w + g * 256, j->scale + ((t + p) * groups + g) * 16,
+                                 j->min + ((t + p) * groups + g) * 16, widened + (p * groups + g) * 512);
+    }
+    for (int64_t m0 = 0; m0 < j->rows; m0 += 16) {
+        const int64_t mb = j->rows - m0 < 16 ? j->rows - m0 : 16;
+        if (m0 == 0 || mb < 16) amx_config(mb);
+        const bf16 *xb = j->x + m0 * k;
+        _tile_zero(0);
+        _tile_zero(3);
+        for (int64_t g = 0; g < groups; g++) {
+            _tile_loadd(1, xb + g * GROUP_K, k * 2);
+            _tile_loadd(2, widened + g * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            if (pair == 2) {
+                _tile_loadd(5, widened + (groups + g) * 512, 64);
+                _tile_dpbf16ps(3, 1, 5);
             }
-            const bf16 *xa = j->x + m0 * k, *xb = xa + 16 * k;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t g = 0; g < groups; g++) {
-                _tile_loadd(4, xa + g * GROUP_K, k * 2);
-                _tile_loadd(6, b_left + g * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, b_right + g * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                if (bottom > 0) {
-                    _tile_loadd(5, xb + g * GROUP_K, k * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                /* the next pair's groups, spread evenly over this pair's row blocks */
-                if (p + 1 < p1 && (b * groups + g) % blocks == 0) widen_pair_group(j, p + 1, next_group++, next);
-            }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            prefill_store(j, c[0], m0, top, 2 * p);
-            prefill_store(j, c[1], m0, top, 2 * p + 1);
-            if (bottom > 0) {
-                _tile_stored(2, c[2], 64);
-                _tile_stored(3, c[3], 64);
-                prefill_store(j, c[2], m0 + 16, bottom, 2 * p);
-                prefill_store(j, c[3], m0 + 16, bottom, 2 * p + 1);
+        }
+        _tile_stored(0, c0, 64);
+        _tile_stored(3, c1, 64);
+        for (int64_t p = 0; p < pair; p++) {
+            const float *c = p == 0 ? c0 : c1;
+            for (int64_t r = 0; r < mb; r++) {
+                __m512 out = _mm512_loadu_ps(c + r * 16);
+                if (j->bias != NULL) out = _mm512_add_ps(out, load16_bf16(j->bias + (t + p) * 16));
+                _mm256_storeu_si256((__m256i *)(j->y + (m0 + r) * j->n_out + (t + p) * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(out));
             }
         }
     }
     _tile_release();
+    free(widened);
 }
 #endif
 
 void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
                           const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
 #if defined(TS_AMX)
-    const int64_t tiles = n_out / TILE_N, pairs = (tiles + 1) / 2;
-    /* about four runs of pairs a thread, so a late or slow thread is made up for; one run alone */
-    int64_t per = pool_threads <= 1 ? pairs : pairs / (4 * (int64_t)pool_threads);
-    per = per < 1 ? 1 : per;
-    const prefill_job job = {x, rows, k, n_out, tiles, pairs, per, packed, scale, min, bias, y};
-    parallel_chunks(prefill_chunk, &job, (pairs + per - 1) / per);
+    const int64_t tiles = n_out / TILE_N;
+    const prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y};
+    parallel_chunks(prefill_chunk, &job, (tiles + 1) / 2);
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)min, (void)bias, (void)n_out, (void)y;
 #endif
@@ -1351,6 +1283,22 @@ static void prompt_tile_chunk(const void *arg, int64_t chunk) {
 }
 #endif
 
+/* A thread's grow-only buffer, kept between calls: a fresh allocation of a few hundred KB per call
+ * goes to mmap, and its page faults are paid on every call. NULL: out of memory. */
+typedef struct {
+    bf16 *data;
+    size_t elems;
+} bf16_scratch;
+
+static bf16 *scratch_bf16(bf16_scratch *s, size_t elems) {
+    if (elems > s->elems) {
+        free(s->data);
+        s->data = (bf16 *)aligned_alloc(64, ((elems * sizeof(bf16) + 63) / 64) * 64);
+        s->elems = s->data == NULL ? 0 : elems;
+    }
+    return s->data;
+}
+
 int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                               const int64_t *block_table, int64_t rows, int64_t start_pos, bf16 *out, int64_t heads,
                               int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
@@ -1358,7 +1306,7 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
     if (!amx_ready || (dim != 32 && dim != 64) || block_size % 16 != 0 || rows < 1 || heads % kv_heads != 0) return 0;
     const int64_t ctx = start_pos + rows, key_blocks = (ctx + PA_KEYS - 1) / PA_KEYS;
     const int64_t row_tiles = (rows * (heads / kv_heads) + 15) / 16;
-    static __thread bf16_scratch values_scratch; /* the caller's; its chunks only read it */
+    static __thread bf16_scratch values_scratch; /* the caller's; its chunks write disjoint parts */
     bf16 *vt = scratch_bf16(&values_scratch, (size_t)(kv_heads * key_blocks * dim * PA_KEYS));
     if (vt == NULL) abort();
     const prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
