@@ -7,6 +7,7 @@ whether a core of its own for prefill would keep decode steps steady. Never besi
 - `mixed`: N streams decode on an engine at --threads (the server's 2 by default); each round a fresh
   prompt of T tokens joins, and the step that carries it (all T tokens and the N decodes) is timed,
   then three decode-only steps. Medians over rounds: what every running stream pays for a prompt.
+  First come first served, so no prefill cap splits the prompt.
 - `split`: two engines in one process, one compute thread each (the kernels run on the calling
   thread): N streams decode on one, while a second Python thread prefills T-token prompts on the
   other, back to back. The decode steps alone and beside the prefill, and the prefill alone and

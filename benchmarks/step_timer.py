@@ -28,9 +28,10 @@ def engine_for(
     threads: int | None = None,
     weight_format: str = "auto",
     device: str = "cpu",
+    policy: str = "slo",
 ) -> LLMEngine:
     """An engine of `model` with room for `rows` streams and `step_tokens` a step; prefix caching off,
-    so a repeated prompt is prefilled again."""
+    so a repeated prompt is prefilled again. `policy` "fcfs": no prefill cap splits a prompt."""
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
@@ -42,7 +43,7 @@ def engine_for(
             ),
             cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
             scheduler=SchedulerConfig(
-                max_num_seqs=max(rows, 16), max_num_batched_tokens=max(2048, step_tokens)
+                max_num_seqs=max(rows, 16), max_num_batched_tokens=max(2048, step_tokens), policy=policy
             ),
         )
     )
