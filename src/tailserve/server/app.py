@@ -40,7 +40,7 @@ from tailserve.http.middleware import (
 from tailserve.server.admission import Admission, WaitCorrection
 from tailserve.server.config import ServerConfig
 from tailserve.server.engine_api import Engine
-from tailserve.server.metrics import ServerMetrics
+from tailserve.server.metrics import ProtocolLabels, ServerMetrics
 from tailserve.server.serving import Serving
 from tailserve.server.slo_classes import SloClasses
 from tailserve.server.tokenize import detokenize, tokenize
@@ -63,7 +63,8 @@ class ServerState:
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """A ready-to-serve ASGI app around an engine that is constructed but not yet started."""
     admission = Admission(engine, WaitCorrection(enabled=config.admission_correction))
-    metrics = ServerMetrics(engine.stats, lambda: admission.serving)
+    protocol = ProtocolLabels(engine.model_name, engine.config.cache)
+    metrics = ServerMetrics(engine.stats, lambda: admission.serving, protocol)
     metrics.admission_correction.set_function(admission.correction.factor)
     state = ServerState(engine, config, admission, metrics, int(time.time()))
     slo_classes = config.slo_classes or SloClasses.builtin(engine.config.scheduler)

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (names as in docs/INTERFACES.md), on a per-app CollectorRegistry.
 
 Latency histograms are observed once per finished request from the engine's own timings; engine gauges
-and the step histograms (counted by the engine thread, engine/stats.py) are read at scrape time. Never
-uses the global registry, so two apps can live in one process.
+and the step histograms (counted by the engine thread, engine/stats.py) are read at scrape time. The
+same snapshot is also shown under vLLM's names (the model-server protocol that the Kubernetes inference
+gateway's endpoint picker reads). Never uses the global registry, so two apps can live in one process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from tailserve.config import CacheConfig
 from tailserve.engine.request import RequestOutput, SloTarget
 from tailserve.engine.stats import (
     LATENCY_BUCKETS_S,
@@ -62,12 +64,75 @@ def _histogram(
     return family
 
 
-class _EngineCollector:
-    """Reads engine.stats() at scrape time into gauges, counters and the step histograms."""
+@dataclass(frozen=True)
+class ProtocolLabels:
+    """What the vLLM-named series say about this server beside the engine snapshot."""
 
-    def __init__(self, stats: Callable[[], EngineStats], is_ready: Callable[[], bool]) -> None:
+    model_name: str = ""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def vllm_protocol_families(s: EngineStats | None, labels: ProtocolLabels, now_s: float) -> list[Metric]:
+    """The model-server protocol's series under the names the endpoint picker (EPP) reads by default,
+    labelled `model_name` as vLLM labels them. tailserve serves no LoRA adapters: `lora_requests_info`
+    is the series vLLM shows with LoRA on and none loaded (both adapter lists empty, which the EPP
+    skips without an error), its value the scrape time as vLLM's is a timestamp."""
+    model = [labels.model_name]
+
+    def gauge(name: str, doc: str, value: float) -> Metric:
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        if s is not None:
+            family.add_metric(model, value)
+        return family
+
+    total = s.kv_blocks_total if s else 0
+    cache_info = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "The KV cache's configuration, in labels (value 1); as vLLM's cache_config_info.",
+        labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo"],
+    )
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "LoRA adapters running and waiting (none: tailserve serves no adapters); value: scrape time.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    if s is not None:
+        cc = labels.cache
+        cache_info.add_metric(
+            [str(cc.block_size), str(total), str(cc.enable_prefix_caching), "sha256_cbor"], 1.0
+        )
+        lora.add_metric(["0", "", ""], now_s)
+    return [
+        gauge(
+            "vllm:num_requests_waiting",
+            "Requests queued in the engine (tailserve_requests_waiting).",
+            s.num_waiting if s else 0,
+        ),
+        gauge(
+            "vllm:num_requests_running",
+            "Requests being prefilled or decoded (tailserve_requests_running).",
+            s.num_running if s else 0,
+        ),
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks in use, 0..1 (tailserve_kv_cache_usage_ratio).",
+            (s.kv_blocks_used / total) if s and total else 0.0,
+        ),
+        cache_info,
+        lora,
+    ]
+
+
+class _EngineCollector:
+    """Reads engine.stats() at scrape time into gauges, counters and the step histograms, and the same
+    snapshot into the vLLM-named protocol series."""
+
+    def __init__(
+        self, stats: Callable[[], EngineStats], is_ready: Callable[[], bool], protocol: ProtocolLabels
+    ) -> None:
         self._stats = stats
         self._is_ready = is_ready
+        self._protocol = protocol
         self.baseline = _CounterBaseline()
 
     def describe(self) -> Iterable[Metric]:
@@ -174,13 +239,20 @@ class _EngineCollector:
                 for name, (what, part) in _TENSOR_PARALLEL_HISTOGRAMS.items()
             ),
             step_paths,
+            *vllm_protocol_families(s, self._protocol, time.time()),
         ]
 
 
 class ServerMetrics:
     """Every metric one server exposes, registered on its own registry."""
 
-    def __init__(self, stats: Callable[[], EngineStats], is_ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        is_ready: Callable[[], bool],
+        protocol: ProtocolLabels | None = None,
+    ) -> None:
+        """`protocol`: the model name and cache config the vLLM-named series carry."""
         self.registry = CollectorRegistry()
         r = self.registry
         # process_resident_memory_bytes and friends: a soak reads RSS growth from here, as from any
@@ -226,7 +298,7 @@ class ServerMetrics:
         self.errors = Counter(
             "tailserve_request_errors", "Error responses, by HTTP status.", ["status"], registry=r
         )
-        self._engine = _EngineCollector(stats, is_ready)
+        self._engine = _EngineCollector(stats, is_ready, protocol or ProtocolLabels())
         r.register(self._engine)
         self._stats = stats
 
