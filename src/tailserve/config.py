@@ -5,6 +5,7 @@ Configs are plain values: building one never loads a model or touches a device.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, TypeVar
 
@@ -157,12 +158,92 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events for routers outside the process, in vLLM's KVEventsConfig shape (vLLM's
+    `--kv-events-config` JSON is accepted as is): ZMQ PUB on `endpoint` (bound when it has `*`, `::`,
+    ipc:// or inproc://, else connected), replay on a ROUTER at `replay_endpoint`. Off by default.
+    Two keys are tailserve's own: `int_block_hashes` (vLLM reads VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES):
+    block hashes as the key's low 64 bits, as vLLM by default, or false: the whole 32-byte key;
+    `event_encoding`: each event as a tagged array ("array", the published format every consumer
+    reads) or as a tagged map ("map", what vLLM has sent since its PR #42892, June 2026)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when enabled, else "null" (as vLLM)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000
+    max_queue_size: int = 100_000  # events waiting for the publisher thread (vLLM counts batches)
+    topic: str = ""
+    int_block_hashes: bool = True
+    event_encoding: str = "array"
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        _require(
+            self.publisher in ("null", "zmq"),
+            f"--kv-events-config: publisher must be null or zmq, got {self.publisher!r}",
+        )
+        _require(bool(self.endpoint), "--kv-events-config: endpoint must not be empty")
+        _require(
+            self.buffer_steps >= 1 and self.hwm >= 0 and self.max_queue_size >= 1,
+            "--kv-events-config: buffer_steps and max_queue_size must be at least 1, hwm at least 0",
+        )
+        _require(
+            self.event_encoding in ("array", "map"),
+            f"--kv-events-config: event_encoding must be array or map, got {self.event_encoding!r}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and published (a `null` publisher records nothing here)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """The `--kv-events-config` JSON object; an unknown key or a wrong type is a ConfigError."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-events-config is not JSON: {exc}") from None
+        _require(isinstance(data, dict), "--kv-events-config must be a JSON object")
+        unknown = sorted(set(data) - set(_KV_EVENTS_TYPES))
+        _require(
+            not unknown, f"--kv-events-config: unknown keys {unknown} (known: {sorted(_KV_EVENTS_TYPES)})"
+        )
+        for key, value in data.items():
+            # bool is an int to isinstance: a count given as true/false is refused too.
+            ok = isinstance(value, _KV_EVENTS_TYPES[key]) and not (
+                isinstance(value, bool) and bool not in _KV_EVENTS_TYPES[key]
+            )
+            _require(ok, f"--kv-events-config: {key} has the wrong type: {value!r}")
+        return cls(**data)
+
+
+# The JSON types of each --kv-events-config key.
+_KV_EVENTS_TYPES: dict[str, tuple[type, ...]] = {
+    "enable_kv_cache_events": (bool,),
+    "publisher": (str, type(None)),
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+    "int_block_hashes": (bool,),
+    "event_encoding": (str,),
+}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
 
 def parse_bytes(text: str) -> int:

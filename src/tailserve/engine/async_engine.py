@@ -114,8 +114,9 @@ class AsyncEngine:
             tp.exit_process_on_worker_death()
 
     def close(self) -> None:
-        """After shutdown: stop the tensor-parallel workers, if any; the engine cannot generate afterwards."""
-        self.engine.runner.close()
+        """After shutdown: stop the tensor-parallel workers and the KV-event publisher, if any; the engine
+        cannot generate afterwards."""
+        self.engine.close()
 
     def submit(
         self,

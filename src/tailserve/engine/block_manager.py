@@ -3,7 +3,8 @@
 A full block is cached under its key (engine/block_keys.py) with the content the key was computed
 from; a hit must match that content in full and follow the very entry its KV was computed after, so
 a key collision is a miss (counted), never a wrong reuse. A free block keeps its cached content until
-evicted (least recently freed first). This module never touches tensors: it hands out block ids.
+evicted (least recently freed first). With a KVEventLog, every entry cached, evicted or cleared is
+recorded for routers outside the process. This module never touches tensors: it hands out block ids.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tailserve.engine.block_keys import BlockKey, BlockKeys, ExtraKeys, first_block_extra
+from tailserve.engine.kv_events import Cleared, KVEventLog, Removed, Stored
 
 ROOT_SERIAL = 0  # what a prompt's first block follows
 
@@ -69,7 +71,10 @@ class BlockPool:
     """Fixed set of blocks with reference counts, the cache entries by key and by content, and an LRU
     queue of free blocks."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
+        """`events`: where cache changes are recorded (None: nowhere, the default)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -81,6 +86,7 @@ class BlockPool:
         # again, and finds exactly the entry its key names, a key being a function of the content.
         self._by_content: dict[BlockContent, CachedBlock] = {}
         self._serials = itertools.count(ROOT_SERIAL + 1)
+        self.events = events
 
     @property
     def num_blocks(self) -> int:
@@ -106,7 +112,27 @@ class BlockPool:
         if block.cached is not None:
             del self._cached[block.cached.key]
             del self._by_content[block.cached.content]
+            if self.events is not None:
+                self.events.record(Removed(block.cached.key))
             block.cached = None
+
+    def cached_keys(self) -> list[BlockKey]:
+        """The key of every block the prefix cache holds now (what the KV events describe)."""
+        return list(self._cached)
+
+    def clear_cache(self) -> int:
+        """Forget every cached entry, blocks in use included (nothing after them is found again; their
+        sequences keep their KV); returns how many entries there were. Recorded as one Cleared."""
+        cleared = 0
+        for block in self.blocks:
+            if block.cached is not None:
+                del self._cached[block.cached.key]
+                del self._by_content[block.cached.content]
+                block.cached = None
+                cleared += 1
+        if self.events is not None:
+            self.events.record(Cleared())
+        return cleared
 
     def _entry(self, key: BlockKey) -> CachedBlock | None:
         block_id = self._cached.get(key) if self.enable_prefix_caching else None
@@ -163,6 +189,8 @@ class BlockPool:
         self.blocks[block_id].cached = entry
         self._cached[key] = block_id
         self._by_content[content] = entry
+        if self.events is not None:
+            self.events.record(Stored(key, *content))
         return entry.serial
 
 
@@ -175,11 +203,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         keys: BlockKeys | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
-        """`keys`: how full blocks are keyed (default: sha256_cbor after a random root)."""
+        """`keys`: how full blocks are keyed (default: sha256_cbor after a random root); `events`:
+        where the prefix cache's changes are recorded (None: nowhere)."""
         self.block_size = block_size
         self.num_blocks = num_blocks  # the pool's size, fixed
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.keys = keys or BlockKeys.from_seed(None)
         self._seqs: dict[str, SeqBlocks] = {}
         self.prefix_queries = 0  # tokens looked up
@@ -309,6 +339,15 @@ class KVCacheManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.release(seq.table)
+
+    def clear_prefix_cache(self, force: bool = False) -> bool:
+        """Empty the prefix cache (SGLang's /flush_cache, vLLM's reset_prefix_cache). Refused (False,
+        nothing changed) while a sequence holds blocks, unless forced: their KV stays theirs, only
+        later requests stop finding it."""
+        if self._seqs and not force:
+            return False
+        self.pool.clear_cache()
+        return True
 
     @property
     def hit_rate(self) -> float:

@@ -34,8 +34,9 @@ class LLM:
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
-        self.engine.runner.close()
+        """Stop the tensor-parallel workers and the KV-event publisher, if any; the LLM cannot generate
+        afterwards."""
+        self.engine.close()
 
     def generate(
         self,

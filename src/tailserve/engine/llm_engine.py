@@ -19,6 +19,7 @@ from tailserve.engine.block_keys import BlockKeys
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.chunks import record_prompt_logprobs, step_chunks
 from tailserve.engine.forks import ForkWaitlist
+from tailserve.engine.kv_event_publisher import KVEventPublisher
 from tailserve.engine.outputs import OutputProcessor
 from tailserve.engine.request import (
     Request,
@@ -70,7 +71,11 @@ class LLMEngine:
         self.weight_format = built.weight_format
         cc = config.cache
         keys = BlockKeys.from_seed(cc.prefix_cache_seed)
-        kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, keys)
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events.enabled:
+            self.kv_events = KVEventPublisher(config.kv_events, cc.block_size)
+        events = self.kv_events.log if self.kv_events is not None else None
+        kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, keys, events)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.wait_model = WaitModel(self.scheduler.policy, self.scheduler.timer, config.scheduler.slo_ttft_s)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
@@ -192,6 +197,13 @@ class LLMEngine:
             return len(prompt_token_ids)
         cached = self.scheduler.cached_prefix_tokens(prompt_token_ids, params.cache_salt)
         return len(prompt_token_ids) - cached
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and the KV-event publisher, if any (idempotent); the engine
+        cannot generate afterwards."""
+        self.runner.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def warm_kernels(self) -> warmup.WarmResult:
         """Create the prompt-row kernels of every row count the step budget allows now (executor.warmup);

@@ -21,6 +21,7 @@ from tailserve.config import (
     WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     from_flags,
@@ -78,6 +79,12 @@ def register(subparsers: Any) -> None:
         default=os.environ.get("PYTHONHASHSEED"),
         help="root of the prefix cache's block keys, as vLLM's PYTHONHASHSEED (its default here): set "
         "it to let routers rebuild the keys from tokens; unset, a random root per process",
+    )
+    c.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish prefix-cache events in vLLM's format, with vLLM's JSON (e.g. '{\"enable_kv_cache_events\": "
+        'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'); default off (docs/ROUTER.md)',
     )
     s = p.add_argument_group("scheduler and admission")
     s.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
@@ -177,6 +184,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
+        kv_events=KVEventsConfig.from_json(args.kv_events_config)
+        if args.kv_events_config
+        else KVEventsConfig(),
         scheduler=from_flags(
             SchedulerConfig,
             args,
