@@ -37,6 +37,15 @@ class RequestRejectedError(TailserveError):
         self.reason = reason
 
 
+class ConflictError(TailserveError):
+    """The request conflicts with the server's present state (HTTP 409); `code` says which."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
 class ModelLoadError(TailserveError):
     """The model could not be read (missing file, corrupt weights, bad config)."""
 

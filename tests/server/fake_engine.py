@@ -79,6 +79,7 @@ class FakeEngine:
         self.shut_down = False
         self.finished_reasons: dict[str, str] = {}
         self.generate_calls = 0
+        self.flushes = 0
 
     async def start(self) -> None:
         self._slots = asyncio.Semaphore(self._max_running)
@@ -118,6 +119,13 @@ class FakeEngine:
             preemptions_total=0,
             steps_total=0,
         )
+
+    async def flush_prefix_cache(self, force: bool = False) -> bool:
+        """Refused while requests are queued or running, unless forced (as AsyncEngine's)."""
+        if (self.running or self.waiting) and not force:
+            return False
+        self.flushes += 1
+        return True
 
     def estimate_wait_s(self) -> float:
         if self.wait_estimate_s is not None:

@@ -8,6 +8,7 @@ nothing itself: LLMEngine.add_request is the border, and its errors reach the ca
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -51,6 +52,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Flush:
+    """Empty the prefix cache between steps; the answer (done or refused) goes to `done`."""
+
+    force: bool
+    done: concurrent.futures.Future[bool]
+
+
 class EngineDeadError(TailserveError):
     """The step loop failed; the request could not finish."""
 
@@ -70,7 +79,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Flush | None] = queue.SimpleQueue()
         self._streams: dict[
             str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]
         ] = {}
@@ -199,6 +208,13 @@ class AsyncEngine:
         """Abort a request from any thread (idempotent)."""
         self._inbox.put(_Abort(request_id))
 
+    async def flush_prefix_cache(self, force: bool = False) -> bool:
+        """Empty the prefix cache on the engine thread between steps (LLMEngine.flush_prefix_cache):
+        False, nothing changed, while requests are queued or running, unless forced."""
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._inbox.put(_Flush(force, done))
+        return await asyncio.wrap_future(done)
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -239,6 +255,13 @@ class AsyncEngine:
                 self._deliver(out)
             self._publish()
         self._fail_all(EngineDeadError("the engine is shutting down"))
+        while True:  # a flush asked for as the loop ended gets an answer too
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Flush):
+                item.done.set_exception(EngineDeadError("the engine is shutting down"))
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply pending adds/aborts; wait for one if idle. False once asked to stop."""
@@ -256,7 +279,10 @@ class AsyncEngine:
                 self._publish()
                 return True
 
-    def _apply(self, item: _Add | _Abort) -> None:
+    def _apply(self, item: _Add | _Abort | _Flush) -> None:
+        if isinstance(item, _Flush):
+            item.done.set_result(self.engine.flush_prefix_cache(item.force))
+            return
         if isinstance(item, _Abort):
             out = self.engine.abort(item.request_id)
             if out is not None:

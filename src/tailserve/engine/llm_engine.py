@@ -136,6 +136,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def flush_prefix_cache(self, force: bool = False) -> bool:
+        """Empty the prefix cache; refused (False) while requests are queued or running, unless forced
+        (theirs keep their KV; only later requests stop finding it)."""
+        if self.has_unfinished() and not force:
+            return False
+        return self.scheduler.kv.clear_prefix_cache(force=True)
+
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and the model once; return an output per request that advanced."""

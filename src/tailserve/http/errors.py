@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tailserve.errors import InvalidRequestError, RequestRejectedError, TailserveError
+from tailserve.errors import ConflictError, InvalidRequestError, RequestRejectedError, TailserveError
 
 log = logging.getLogger("tailserve.server")
 
@@ -107,6 +107,8 @@ def to_http(exc: BaseException) -> HTTPError:
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         body = error_body(exc.message, "rate_limit_error", None, exc.reason)
         return HTTPError(429, body, {"Retry-After": retry})
+    if isinstance(exc, ConflictError):
+        return HTTPError(409, error_body(exc.message, "invalid_request_error", None, exc.code), {})
     if isinstance(exc, ServiceUnavailableError):
         body = error_body(exc.message, "service_unavailable_error", None, exc.reason)
         return HTTPError(503, body, {"Retry-After": "1"})

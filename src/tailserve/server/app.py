@@ -42,6 +42,7 @@ from tailserve.server.config import ServerConfig
 from tailserve.server.engine_api import Engine
 from tailserve.server.metrics import ProtocolLabels, ServerMetrics
 from tailserve.server.serving import Serving
+from tailserve.server.sglang_worker import worker_routes
 from tailserve.server.slo_classes import SloClasses
 from tailserve.server.tokenize import detokenize, tokenize
 
@@ -172,6 +173,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(worker_routes(engine))  # SGLang's gateway: server/sglang_worker.py
     return app
 
 

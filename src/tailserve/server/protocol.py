@@ -84,6 +84,11 @@ class CommonRequest(_Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # SGLang's, which its model gateway sends on every request: accepted at the values that change
+    # nothing here; reject_unsupported refuses the others (server/sglang_worker.py).
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(CommonRequest):
@@ -119,6 +124,9 @@ class ChatCompletionRequest(CommonRequest):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    continue_final_message: bool = False  # SGLang's, as above
+    separate_reasoning: bool = True  # SGLang's: no reasoning parser here, so either value changes nothing
+    stream_reasoning: bool = True  # SGLang's, likewise
 
 
 @dataclass(frozen=True)
@@ -217,11 +225,15 @@ def reject_unsupported(req: CommonRequest) -> None:
     """Known OpenAI parameters with non-default values we do not implement get a 400."""
     checks: list[tuple[str, bool]] = [
         ("stream_options", req.stream_options is not None and not req.stream),
+        ("no_stop_trim", req.no_stop_trim),
+        ("skip_special_tokens", not req.skip_special_tokens),
+        ("return_hidden_states", req.return_hidden_states),
     ]
     if isinstance(req, ChatCompletionRequest):
         checks += [
             ("functions", bool(req.functions)),
             ("function_call", req.function_call not in (None, "none", "auto")),
+            ("continue_final_message", req.continue_final_message),
         ]
     for param, bad in checks:
         if bad:
