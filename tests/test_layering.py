@@ -11,7 +11,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "tailserve"
 # Top to bottom: a package may import its own modules and those of the packages below it.
 LAYERS = [
-    ("cli",),
+    ("cli", "integrations"),  # integrations: scale-out engines' glue (Ray Serve), above the server
     ("server",),
     ("router", "bench", "plan"),  # clients and arithmetic: HTTP only (tests/test_import_isolation.py)
     ("http",),  # the HTTP plumbing the server and the router share
