@@ -1,8 +1,10 @@
-"""Router placement policies on the same seeded workloads: hash vs least_load vs prefix.
+"""Router placement policies on the same seeded workloads: hash vs least_load vs prefix, and SGLang's
+model gateway (`sglang:cache_aware` etc., sglang-router 0.3.2) in front of the same replicas.
 
 For each workload and policy: three fresh `tailserve serve` replicas (small KV pool, one thread
-each), a fresh `tailserve route`, Poisson arrivals from a small async httpx client. Reports P99
-TTFT/TPOT (nearest rank, client clock) and the replicas' prefix-cache hit rate (from their /metrics).
+each), a fresh `tailserve route` (or `python -m sglang_router launch` for `sglang:<policy>`), Poisson
+arrivals from a small async httpx client. Reports P99 TTFT/TPOT (nearest rank, client clock) and the
+replicas' prefix-cache hit rate (from their /metrics).
 
     .venv/bin/python benchmarks/router_policies.py            # both workloads, all three policies
     .venv/bin/python benchmarks/router_policies.py --workload hot_key --requests 200 --out r.json
@@ -221,16 +223,42 @@ def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Names
             replicas.append(stack.enter_context(ServerProcess(cmd, port, log_path, env=env, cwd=ROOT)))
         for replica in replicas:
             replica.wait_ready(timeout_s=300)
-        cmd = [*tailserve, "route", "--policy", policy, "--port", str(router_port), "--log-level", "warning"]
-        for url in replica_urls:
-            cmd += ["--replica", url]
-        router = stack.enter_context(ServerProcess(cmd, router_port, logs / "router.log", env=env, cwd=ROOT))
+        if policy.startswith("sglang:"):  # SGLang's gateway; its metrics exporter needs a port of its own
+            cmd = [sys.executable, "-m", "sglang_router", "launch", "--worker-urls", *replica_urls]
+            cmd += ["--policy", policy.partition(":")[2], "--host", "127.0.0.1", "--port", str(router_port)]
+            cmd += [
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_ports(1, router_port + 1)[0]),
+            ]
+            cmd += ["--log-level", "warn"]
+            gateway = ServerProcess(
+                cmd, router_port, logs / "router.log", env=env, cwd=ROOT, ready_path="/readiness"
+            )
+            router = stack.enter_context(gateway)
+        else:
+            cmd = [
+                *tailserve,
+                "route",
+                "--policy",
+                policy,
+                "--port",
+                str(router_port),
+                "--log-level",
+                "warning",
+            ]
+            for url in replica_urls:
+                cmd += ["--replica", url]
+            router = stack.enter_context(
+                ServerProcess(cmd, router_port, logs / "router.log", env=env, cwd=ROOT)
+            )
         router.wait_ready(timeout_s=300)
         model = httpx.get(router_url + "/v1/models").json()["data"][0]["id"]
         before = [scrape(u) for u in replica_urls]
         samples = asyncio.run(run_jobs(router_url, model, jobs))
         after = [scrape(u) for u in replica_urls]
-        router_metrics = scrape(router_url)
+        router_metrics = {} if policy.startswith("sglang:") else scrape(router_url)
 
     def delta(name: str, i: int) -> float:
         return after[i].get(name, 0.0) - before[i].get(name, 0.0)
