@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +20,6 @@ from tailserve.engine.block_keys import BlockKeys
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.chunks import record_prompt_logprobs, step_chunks
 from tailserve.engine.forks import ForkWaitlist
-from tailserve.engine.kv_event_publisher import KVEventPublisher
 from tailserve.engine.outputs import OutputProcessor
 from tailserve.engine.request import (
     Request,
@@ -41,6 +41,9 @@ from tailserve.executor.builder import build_runner
 from tailserve.quality.gate import choose_weight_format
 from tailserve.weights.loader import LoadedModel
 from tailserve.weights.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from tailserve.engine.kv_event_publisher import KVEventPublisher
 
 
 class LLMEngine:
@@ -73,6 +76,9 @@ class LLMEngine:
         keys = BlockKeys.from_seed(cc.prefix_cache_seed)
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events.enabled:
+            # pyzmq and msgspec are loaded only by an engine that publishes events
+            from tailserve.engine.kv_event_publisher import KVEventPublisher
+
             self.kv_events = KVEventPublisher(config.kv_events, cc.block_size)
         events = self.kv_events.log if self.kv_events is not None else None
         kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, keys, events)
