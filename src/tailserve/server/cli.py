@@ -31,6 +31,9 @@ from tailserve.errors import ConfigError, ModelLoadError
 from tailserve.server.config import LOG_LEVELS, ServerConfig
 from tailserve.server.slo_classes import SloClasses
 
+# Flag defaults are the configs' own, so `--help` shows what a run gets.
+_MODEL, _CACHE, _SCHED, _SERVER = ModelConfig(), CacheConfig(), SchedulerConfig(), ServerConfig()
+
 
 def register(subparsers: Any) -> None:
     """Add `serve` to the `tailserve` argument tree."""
@@ -71,8 +74,13 @@ def register(subparsers: Any) -> None:
     )
     c = p.add_argument_group("KV cache")
     c.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1 GiB on CPU)")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=_CACHE.gpu_memory_utilization,
+        help="CUDA: share of device memory for weights and KV pool",
+    )
+    c.add_argument("--block-size", type=int, default=_CACHE.block_size, help="tokens per KV block")
     c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     c.add_argument(
         "--prefix-cache-seed",
@@ -87,19 +95,36 @@ def register(subparsers: Any) -> None:
         'true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'); default off (docs/ROUTER.md)',
     )
     s = p.add_argument_group("scheduler and admission")
-    s.add_argument("--max-num-batched-tokens", type=int, default=256, help="per-step token budget")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_SCHED.max_num_batched_tokens,
+        help="per-step token budget",
+    )
+    s.add_argument(
+        "--max-num-seqs", type=int, default=_SCHED.max_num_seqs, help="most requests running at once"
+    )
     s.add_argument(
         "--schedule-policy",
         choices=SCHEDULE_POLICIES,
-        default="slo",
-        help="slo (default) or fcfs; see docs/ENGINE.md",
+        default=_SCHED.policy,
+        help="slo: deadline-ordered prefill within the TPOT target; fcfs: arrival order (docs/ENGINE.md)",
     )
-    s.add_argument("--max-waiting", type=int, default=512, help="waiting-queue bound; beyond it 429")
     s.add_argument(
-        "--slo-ttft", type=float, default=2.0, help="TTFT target, seconds; predicted misses get 429"
+        "--max-waiting", type=int, default=_SCHED.max_waiting, help="waiting-queue bound; beyond it 429"
     )
-    s.add_argument("--slo-tpot", type=float, default=0.150, help="TPOT target, seconds per token")
+    s.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=_SCHED.slo_ttft_s,
+        help="TTFT target, seconds; predicted misses get 429",
+    )
+    s.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=_SCHED.slo_tpot_s,
+        help="TPOT target, seconds per token: it bounds each step's time",
+    )
     s.add_argument(
         "--no-admission-correction",
         action="store_true",
@@ -115,25 +140,29 @@ def register(subparsers: Any) -> None:
     s.add_argument(
         "--prefill-floor",
         type=float,
-        default=0.25,
+        default=_SCHED.prefill_floor,
         help="slo: share of the step budget prefill keeps beside decodes (0: one block)",
     )
     s.add_argument(
         "--past-saving-share",
         type=float,
-        default=0.25,
+        default=_SCHED.past_saving_share,
         help="slo: share of each step's prefill kept for requests past their TTFT deadline",
     )
     s.add_argument(
         "--urgent-slack",
         type=float,
-        default=1.0,
+        default=_SCHED.urgent_slack,
         help="slo: a prompt goes earliest-deadline-first once its slack is under this share of its "
         "TTFT target, shortest (prompt x target) first before (1, the default: deadline order for all)",
     )
     h = p.add_argument_group("HTTP")
-    h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument(
+        "--host",
+        default=_SERVER.host,
+        help="bind address: loopback only unless changed (0.0.0.0: all interfaces)",
+    )
+    h.add_argument("--port", type=int, default=_SERVER.port, help="HTTP port")
     h.add_argument(
         "--api-key", default=os.environ.get("TAILSERVE_API_KEY"), help="Bearer token (env TAILSERVE_API_KEY)"
     )
@@ -145,13 +174,16 @@ def register(subparsers: Any) -> None:
         "keys never share prefix-cache blocks (default off: the request's cache_salt, as vLLM)",
     )
     h.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+        "--drain-timeout",
+        type=float,
+        default=_SERVER.drain_timeout_s,
+        help="seconds to finish in-flight requests on SIGTERM",
     )
-    h.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    h.add_argument("--log-level", choices=LOG_LEVELS, default=_SERVER.log_level, help="log verbosity")
     h.add_argument(
         "--max-tokens-default",
         type=int,
-        default=1024,
+        default=_SERVER.max_tokens_default,
         help="tokens generated for a request without max_tokens (shown in /v1/models)",
     )
     h.add_argument(
@@ -166,8 +198,8 @@ def register(subparsers: Any) -> None:
     h.add_argument(
         "--switch-interval-ms",
         type=float,
-        default=5.0,
-        help="GIL switch interval of the server process (default 5, Python's own): how long the engine "
+        default=_SERVER.switch_interval_s * 1000,
+        help="GIL switch interval of the server process (Python's own by default): how long the engine "
         "thread may wait for the GIL back from the HTTP thread after each model call",
     )
     h.add_argument("--replicas", type=int, default=1, help="run N engine replicas behind the router")
