@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound="DataclassInstance")
 
 SCHEDULE_POLICIES = ("fcfs", "slo")
-DTYPES = ("auto", "float32", "bfloat16")  # deprecated alias of --weight-format (fp32 / bf16)
+# --dtype, vLLM's choices: the compute (activation) dtype. float32 / float run fp32 weights and
+# activations; bfloat16 runs bf16 activations (bf16 weights unless an int format is asked for);
+# float16 / half have no kernels here and are refused.
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4", "int8")
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16")
-_DTYPE_TO_WEIGHT_FORMAT = {"float32": "fp32", "bfloat16": "bf16"}
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -35,14 +37,15 @@ class ModelConfig:
 
     `weight_format` decides the weights and, with them, the activation dtype: fp32 runs fp32
     activations; bf16, int4 and int8 run bf16 activations (the int kernels need them). `dtype` is
-    the old spelling of the same choice (float32 = fp32, bfloat16 = bf16) and is folded into it.
+    vLLM's `--dtype`, the activation dtype, folded into `weight_format`: float32 -> fp32,
+    bfloat16 -> bf16 when no int format is asked for (DTYPES).
     """
 
     model: str = "default"
     weight_format: str = "auto"  # auto: the fastest format that keeps quality (CPU), bf16 on CUDA
     kv_cache_dtype: str = "auto"  # auto: the activation dtype of the weight format
     force_weight_format: bool = False  # serve an explicit weight format even if it fails the quality gate
-    dtype: str = "auto"  # deprecated: folded into weight_format
+    dtype: str = "auto"  # vLLM's --dtype (the activation dtype): folded into weight_format
     device: str = "auto"  # auto: CUDA when available
     max_model_len: int | None = None  # None: the model's own context, capped at 8192
     served_model_name: str | None = None
@@ -62,14 +65,7 @@ class ModelConfig:
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
         )
-        if self.dtype != "auto":
-            implied = _DTYPE_TO_WEIGHT_FORMAT[self.dtype]
-            _require(
-                self.weight_format in ("auto", implied),
-                f"--dtype {self.dtype} contradicts --weight-format {self.weight_format}; "
-                "pass only --weight-format",
-            )
-            object.__setattr__(self, "weight_format", implied)
+        object.__setattr__(self, "weight_format", _fold_dtype(self.dtype, self.weight_format))
         _require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(self.num_threads is None or self.num_threads >= 1, "--num-threads must be at least 1")
         _require(
@@ -80,6 +76,29 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 16,
             f"--max-model-len must be at least 16, got {self.max_model_len}",
         )
+
+
+def _fold_dtype(dtype: str, weight_format: str) -> str:
+    """The weight format `--dtype` (vLLM's, the activation dtype) leaves: fp32 activations need fp32
+    weights; bf16 activations run bf16 weights, or the int4 / int8 weights asked for."""
+    if dtype == "auto":
+        return weight_format
+    _require(
+        dtype not in ("float16", "half"),
+        f"--dtype {dtype} is refused: tailserve computes in bfloat16 or float32 only (no float16 "
+        "kernels); pass --dtype bfloat16",
+    )
+    if dtype in ("float32", "float"):
+        _require(
+            weight_format in ("auto", "fp32"),
+            f"--dtype {dtype} (fp32 activations) needs fp32 weights, not --weight-format {weight_format}",
+        )
+        return "fp32"
+    _require(
+        weight_format != "fp32",
+        f"--dtype {dtype} (bf16 activations) contradicts --weight-format fp32 (fp32 activations)",
+    )
+    return "bf16" if weight_format == "auto" else weight_format
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,28 @@ def test_hadolint_finds_nothing() -> None:
         [HADOLINT, "--no-color", *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_cuda_image_has_a_vllm_command_that_runs_tailserve_serve(tmp_path: Path) -> None:
+    """`command: [vllm, serve]` (KServe's templates) works in the CUDA image: its `vllm` script execs
+    `tailserve serve` with the arguments, on every interface as vLLM unless --host says otherwise;
+    the package itself installs no `vllm`."""
+    steps = _instructions(DOCKER / "Dockerfile.cuda")
+    assert "deploy/docker/vllm /usr/local/bin/vllm" in [args for kw, args in steps if kw == "COPY"]
+    script = DOCKER / "vllm"
+    assert script.stat().st_mode & 0o111
+    fake = tmp_path / "tailserve"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    argv = ["serve", "/mnt/models", "--served-model-name", "m", "--port", "8000", "--disable-log-requests"]
+    ran = subprocess.run([str(script), *argv], capture_output=True, text=True, env=env, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    passed = ran.stdout.splitlines()
+    assert passed == ["serve", "--host", "0.0.0.0", *argv[1:]]
+    args = build_parser().parse_args(passed)
+    assert (args.model_positional, args.host, args.port) == ("/mnt/models", "0.0.0.0", 8000)
+    assert build_parser().parse_args([*passed, "--host", "127.0.0.1"]).host == "127.0.0.1"
+    assert subprocess.run([str(script), "bench"], capture_output=True, env=env, timeout=30).returncode == 2
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert "vllm =" not in pyproject and not (REPO / "src" / "tailserve" / "vllm.py").exists()

@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tailserve.http.drain import Drain
 from tailserve.http.errors import error_body
+from tailserve.http.tls import TlsFiles, refresh_certificates
 
 log = logging.getLogger("tailserve.server")
 # Responses ended at the drain deadline need a moment to flush before uvicorn closes connections.
@@ -32,16 +33,30 @@ LINGER_S = 2.0  # how long a rejected connection keeps reading (so closing it se
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose signal handler drains the app before exiting."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, drain: Drain, drain_timeout_s: float, tls: TlsFiles | None = None
+    ) -> None:
         super().__init__(config)
         self._drain = drain
         self._drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
+        self._tls = tls
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        refresh = None
+        if self._tls is not None and self._tls.refresh:
+            # uvicorn builds its SSL context in config.load(), before serving: reload into that one.
+            self.config.load()
+            assert self.config.ssl is not None
+            refresh = asyncio.create_task(refresh_certificates(self.config.ssl, self._tls))
+        try:
+            await super().serve(sockets)
+        finally:
+            if refresh is not None:
+                refresh.cancel()
+                await asyncio.gather(refresh, return_exceptions=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the signal handler: only flags and a thread-safe hop onto the loop.
@@ -101,9 +116,19 @@ class JSONErrorH11Protocol(H11Protocol):
 
 
 def serve_until_drained(
-    app: Any, drain: Drain, *, host: str, port: int, log_level: str, drain_timeout_s: float, access_log: bool
+    app: Any,
+    drain: Drain,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    drain_timeout_s: float,
+    access_log: bool,
+    tls: TlsFiles | None = None,
+    root_path: str = "",
 ) -> int:
-    """Serve until drained after a signal; 0 on a clean exit, 1 if the server could not start."""
+    """Serve until drained after a signal; 0 on a clean exit, 1 if the server could not start.
+    `tls`: serve HTTPS (and reload the certificate when it changes, if asked)."""
     uv_config = uvicorn.Config(
         app,
         host=host,
@@ -113,7 +138,9 @@ def serve_until_drained(
         http=JSONErrorH11Protocol,
         access_log=access_log,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        root_path=root_path,
+        **(tls.uvicorn_options() if tls is not None else {}),
     )
-    server = DrainingServer(uv_config, drain, drain_timeout_s)
+    server = DrainingServer(uv_config, drain, drain_timeout_s, tls)
     server.run()
     return 0 if server.started else 1

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from tailserve.config import (
@@ -28,8 +29,13 @@ from tailserve.config import (
     parse_bytes,
 )
 from tailserve.errors import ConfigError, ModelLoadError
+from tailserve.http.tls import TlsFiles
+from tailserve.server import vllm_flags
 from tailserve.server.config import LOG_LEVELS, ServerConfig
+from tailserve.server.generation_defaults import GenerationDefaults, model_file, read_generation_defaults
 from tailserve.server.slo_classes import SloClasses
+
+log = logging.getLogger("tailserve.server")
 
 # Flag defaults are the configs' own, so `--help` shows what a run gets.
 _MODEL, _CACHE, _SCHED, _SERVER = ModelConfig(), CacheConfig(), SchedulerConfig(), ServerConfig()
@@ -40,8 +46,19 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server", description=__doc__.splitlines()[0]
     )
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vLLM's `vllm serve MODEL` (or --model)",
+    )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="default", help="HF dir, .gguf file, 'default' or 'dummy:<preset>'")
+    m.add_argument(
+        "--model",
+        default=None,
+        help=f"HF dir, .gguf file, 'default' or 'dummy:<preset>' (default: {_MODEL.model})",
+    )
     m.add_argument("--served-model-name", default=None, help="name in /v1/models and the 'model' field")
     m.add_argument(
         "--weight-format",
@@ -57,7 +74,24 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="serve --weight-format even if it fails the quality gate (see `tailserve eval`)",
     )
-    m.add_argument("--dtype", choices=DTYPES, default="auto", help=argparse.SUPPRESS)  # old --weight-format
+    m.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=_MODEL.dtype,
+        help="vLLM's: the activation dtype. float32/float: fp32 weights too; bfloat16: bf16 weights "
+        "unless --weight-format is int4/int8; auto: --weight-format decides; float16/half are refused",
+    )
+    m.add_argument(
+        "--chat-template",
+        default=None,
+        help="vLLM's: a Jinja chat template file, or the template itself, instead of the tokenizer's",
+    )
+    m.add_argument(
+        "--generation-config",
+        default="auto",
+        help="vLLM's: where sampling defaults come from: auto (the model's generation_config.json), "
+        "vllm (none: the server's), or a folder holding a generation_config.json",
+    )
     m.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA when available")
     m.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)"
@@ -82,6 +116,15 @@ def register(subparsers: Any) -> None:
     )
     c.add_argument("--block-size", type=int, default=_CACHE.block_size, help="tokens per KV block")
     c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    c.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's spelling: prefix caching on (the default) or off (--no-enable-prefix-caching)",
+    )
+    c.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=None, help="vLLM's: --kv-cache-memory in bytes"
+    )
     c.add_argument(
         "--prefix-cache-seed",
         default=os.environ.get("PYTHONHASHSEED"),
@@ -109,6 +152,12 @@ def register(subparsers: Any) -> None:
         choices=SCHEDULE_POLICIES,
         default=_SCHED.policy,
         help="slo: deadline-ordered prefill within the TPOT target; fcfs: arrival order (docs/ENGINE.md)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=None,
+        help="vLLM's: fcfs is --schedule-policy fcfs; priority is refused (slo orders by deadline)",
     )
     s.add_argument(
         "--max-waiting", type=int, default=_SCHED.max_waiting, help="waiting-queue bound; beyond it 429"
@@ -164,7 +213,9 @@ def register(subparsers: Any) -> None:
     )
     h.add_argument("--port", type=int, default=_SERVER.port, help="HTTP port")
     h.add_argument(
-        "--api-key", default=os.environ.get("TAILSERVE_API_KEY"), help="Bearer token (env TAILSERVE_API_KEY)"
+        "--api-key",
+        default=os.environ.get("TAILSERVE_API_KEY") or os.environ.get("VLLM_API_KEY"),
+        help="Bearer token (env TAILSERVE_API_KEY, else vLLM's VLLM_API_KEY)",
     )
     h.add_argument("--max-body-bytes", default="4MiB", help="request body limit, e.g. 4MiB (413 beyond)")
     h.add_argument(
@@ -203,18 +254,84 @@ def register(subparsers: Any) -> None:
         "thread may wait for the GIL back from the HTTP thread after each model call",
     )
     h.add_argument("--replicas", type=int, default=1, help="run N engine replicas behind the router")
+    h.add_argument("--root-path", default="", help="ASGI root path behind a path-prefixing proxy")
+    h.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    h.add_argument("--disable-fastapi-docs", action="store_true", help="serve no /openapi.json")
+    t = p.add_argument_group("TLS (vLLM's flags)")
+    t.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    t.add_argument("--ssl-keyfile", default=None, help="its private key (PEM)")
+    t.add_argument(
+        "--ssl-ca-certs", default=None, help="CA bundle that client certificates are checked against"
+    )
+    t.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="client certificates: 0 not asked, 1 optional, 2 required",
+    )
+    t.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="re-read the certificate files when they change (new connections get the new one)",
+    )
+    vllm_flags.register(p)
     p.set_defaults(func=serve)
 
 
+def model_from_args(args: argparse.Namespace) -> str:
+    """The model: the positional MODEL (vLLM's form) or --model, not two different ones."""
+    positional, flag = args.model_positional, args.model
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError(f"two models given: MODEL {positional!r} and --model {flag!r}; pass one")
+    return str(positional or flag or _MODEL.model)
+
+
+def _prefix_caching(args: argparse.Namespace) -> bool:
+    if args.no_prefix_caching and args.enable_prefix_caching:
+        raise ConfigError("--no-prefix-caching contradicts --enable-prefix-caching; pass one")
+    return not args.no_prefix_caching and args.enable_prefix_caching is not False
+
+
+def _kv_cache_memory_bytes(args: argparse.Namespace) -> int | None:
+    if args.kv_cache_memory is not None and args.kv_cache_memory_bytes is not None:
+        raise ConfigError("--kv-cache-memory and --kv-cache-memory-bytes both given; pass one")
+    if args.kv_cache_memory_bytes is not None:
+        return int(args.kv_cache_memory_bytes)
+    return parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
+
+
+def _schedule_policy(args: argparse.Namespace) -> str:
+    if args.scheduling_policy == "priority":
+        raise ConfigError(
+            "--scheduling-policy priority (vLLM's) is refused: tailserve orders prompts by TTFT "
+            "deadline and SLO class (--schedule-policy slo; a request's `priority` names a class)"
+        )
+    return str(args.scheduling_policy or args.schedule_policy)
+
+
+def _tls(args: argparse.Namespace) -> TlsFiles | None:
+    extra = args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs or args.enable_ssl_refresh
+    if args.ssl_certfile is None:
+        if extra:
+            raise ConfigError(
+                "--ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs and --enable-ssl-refresh need --ssl-certfile"
+            )
+        return None
+    return TlsFiles(
+        args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.enable_ssl_refresh
+    )
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    """Both configs from parsed flags; ConfigError names the flag to fix."""
+    """Both configs from parsed flags; ConfigError names the flag to fix (a refused vLLM flag too)."""
+    vllm_flags.check(args)
     engine = EngineConfig(
-        model=from_flags(ModelConfig, args),
+        model=from_flags(ModelConfig, args, model=model_from_args(args)),
         cache=from_flags(
             CacheConfig,
             args,
-            kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
-            enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_memory_bytes=_kv_cache_memory_bytes(args),
+            enable_prefix_caching=_prefix_caching(args),
         ),
         kv_events=KVEventsConfig.from_json(args.kv_events_config)
         if args.kv_events_config
@@ -222,7 +339,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         scheduler=from_flags(
             SchedulerConfig,
             args,
-            policy=args.schedule_policy,
+            policy=_schedule_policy(args),
             slo_ttft_s=args.slo_ttft,
             slo_tpot_s=args.slo_tpot,
         ),
@@ -238,31 +355,39 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         slo_classes=slo_classes,
         switch_interval_s=args.switch_interval_ms / 1000,
         admission_correction=not args.no_admission_correction,
+        tls=_tls(args),
+        access_log=not args.disable_uvicorn_access_log,
+        openapi=not args.disable_fastapi_docs,
     )
     return engine, server
 
 
 def serve(args: argparse.Namespace) -> int:
     """Handler of `tailserve serve`: 0 after a clean drain, 1 if the model fails to load, 2 on bad flags."""
-    if args.replicas > 1:
-        from tailserve.router.launcher import run_replicas
-
-        return int(run_replicas(args))
-    if args.replicas < 1:
-        print("tailserve serve: --replicas must be at least 1", file=sys.stderr)
-        return 2
     try:
+        args.model = model_from_args(args)
+        if args.replicas > 1 and args.ssl_certfile:
+            raise ConfigError("--ssl-certfile with --replicas: the router speaks plain HTTP to its replicas")
+        if args.replicas > 1:
+            from tailserve.router.launcher import run_replicas
+
+            return int(run_replicas(args))
+        if args.replicas < 1:
+            raise ConfigError("--replicas must be at least 1")
         engine_config, server_config = configs_from_args(args)
+        generation = generation_defaults(args.generation_config, args.model)
+        chat_template = read_chat_template(args.chat_template)
     except ConfigError as exc:
         print(f"tailserve serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for note in vllm_flags.check(args):  # once, at start: nothing on the command line goes unseen
+        log.warning("%s", note)
 
     from tailserve.engine import AsyncEngine
     from tailserve.server.app import create_app
-    from tailserve.server.generation_defaults import model_file, read_generation_defaults
     from tailserve.server.lifecycle import run_server
 
     try:
@@ -277,9 +402,44 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tailserve serve: {exc}", file=sys.stderr)
         return 2
     engine.exit_process_on_worker_death()  # tensor parallelism: a dead worker ends the server
-    generation = read_generation_defaults(model_file(args.model))
+    if chat_template is not None:
+        set_template = getattr(engine.tokenizer, "set_chat_template", None)
+        if set_template is None:
+            engine.close()
+            print(
+                f"tailserve serve: --chat-template: {args.model} has no chat-capable tokenizer",
+                file=sys.stderr,
+            )
+            return 2
+        set_template(chat_template)
     server_config = dataclasses.replace(server_config, generation=generation)
     try:
         return run_server(create_app(engine, server_config), server_config)
     finally:
         engine.close()  # stops tensor-parallel workers after the drain
+
+
+def generation_defaults(source: str, model: str) -> GenerationDefaults:
+    """--generation-config (vLLM's): auto, the model's generation_config.json; vllm, none (the
+    server's own defaults); else a folder holding a generation_config.json."""
+    if source == "auto":
+        return read_generation_defaults(model_file(model))
+    if source == "vllm":
+        return GenerationDefaults()
+    folder = Path(source)
+    if not (folder / "generation_config.json").is_file():
+        raise ConfigError(f"--generation-config {source}: no generation_config.json in that folder")
+    return read_generation_defaults(folder)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template (vLLM's): a file's text, or the value itself when it is a template (has
+    Jinja markup); a path that does not exist and is no template is a ConfigError."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value.encode().decode("unicode_escape") if "\\n" in value else value
+    raise ConfigError(f"--chat-template {value}: no such file, and not a Jinja template")

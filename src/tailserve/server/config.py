@@ -5,9 +5,11 @@ A plain frozen value validated on construction; building one never opens a socke
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from tailserve.errors import ConfigError
+from tailserve.http.tls import TlsFiles
 from tailserve.server.generation_defaults import GenerationDefaults
 from tailserve.server.slo_classes import SloClasses
 
@@ -39,6 +41,10 @@ class ServerConfig:
     # Each request's cache_salt is derived from its API key (and its own salt), so keys never share
     # prefix-cache blocks (docs/SERVER.md "cache_salt"); off: the request's own cache_salt, as vLLM.
     cache_salt_from_api_key: bool = False
+    tls: TlsFiles | None = None  # --ssl-certfile and friends: HTTPS (vLLM's flags)
+    root_path: str = ""  # --root-path: the ASGI root path behind a path-prefixing proxy
+    access_log: bool = True  # off: --disable-uvicorn-access-log
+    openapi: bool = True  # /openapi.json; off: --disable-fastapi-docs
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -57,3 +63,19 @@ class ServerConfig:
             )
         if self.api_key is not None and not self.api_key:
             raise ConfigError("--api-key must not be empty")
+        if self.tls is not None:
+            _check_tls(self.tls)
+
+
+def _check_tls(tls: TlsFiles) -> None:
+    """Every named file readable now, so a typo is exit 2 at start rather than a failed handshake."""
+    named = {"--ssl-certfile": tls.certfile, "--ssl-keyfile": tls.keyfile, "--ssl-ca-certs": tls.ca_certs}
+    for flag, path in named.items():
+        if path is not None and not os.access(path, os.R_OK):
+            raise ConfigError(f"{flag} {path}: no such readable file")
+    if tls.cert_reqs not in (0, 1, 2):
+        raise ConfigError(
+            f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {tls.cert_reqs}"
+        )
+    if tls.cert_reqs and not tls.ca_certs:
+        raise ConfigError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to check client certificates against")

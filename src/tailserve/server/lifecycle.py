@@ -25,5 +25,7 @@ def run_server(app: FastAPI, config: ServerConfig) -> int:
         port=config.port,
         log_level=config.log_level,
         drain_timeout_s=config.drain_timeout_s,
-        access_log=True,
+        access_log=config.access_log,
+        tls=config.tls,
+        root_path=config.root_path,
     )

@@ -71,7 +71,7 @@ class GGUFTokenizer:
             self.backend.add_tokens(user)
         template = meta.get("tokenizer.chat_template")
         self.chat_template: str | None = str(template) if template else None
-        self._compiled: jinja2.Template | None = None
+        self._compiled: tuple[str, jinja2.Template] | None = None  # (its source, the template)
 
     def __len__(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
@@ -94,9 +94,9 @@ class GGUFTokenizer:
             raise ValueError("GGUFTokenizer.apply_chat_template renders text only; encode it separately")
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
-        if self._compiled is None:
-            self._compiled = _template_environment().from_string(self.chat_template)
-        return self._compiled.render(
+        if self._compiled is None or self._compiled[0] != self.chat_template:  # set anew: --chat-template
+            self._compiled = (self.chat_template, _template_environment().from_string(self.chat_template))
+        return self._compiled[1].render(
             messages=[_template_message(m) for m in messages],
             tools=list(tools) if tools else None,
             documents=None,

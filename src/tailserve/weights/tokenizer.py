@@ -49,6 +49,10 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (vLLM's --chat-template) before serving starts."""
+        self.hf.chat_template = template
+
     @property
     def supports_tools(self) -> bool:
         """The chat template reads `tools` (Hugging Face's convention), so tools are rendered its way."""
