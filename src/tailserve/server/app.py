@@ -7,6 +7,7 @@ apps can live in one process; request handling itself lives in serving.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -41,6 +42,17 @@ from tailserve.server.admission import Admission, WaitCorrection
 from tailserve.server.config import ServerConfig
 from tailserve.server.engine_api import Engine
 from tailserve.server.metrics import ProtocolLabels, ServerMetrics
+from tailserve.server.openapi import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    Status,
+    TokenizeResponse,
+    build_openapi,
+    error_responses,
+)
 from tailserve.server.serving import Serving
 from tailserve.server.sglang_worker import worker_routes
 from tailserve.server.slo_classes import SloClasses
@@ -97,8 +109,16 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             await asyncio.gather(warmup, return_exceptions=True)
             await engine.shutdown()
 
-    app = FastAPI(title="tailserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN, which a closed network lacks.
+    openapi_url = "/openapi.json" if config.openapi else None
+    app = FastAPI(
+        title="tailserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=openapi_url
+    )
+    app.openapi = functools.partial(build_openapi, app)  # type: ignore[method-assign]
     app.state.tailserve = state
+    generation_errors = error_responses()
+    v1_errors = error_responses("400", "401", "404", "500")
+    tokenizer_errors = error_responses("400", "404", "413", "415", "500")
 
     def error_response(exc: BaseException) -> Response:
         if isinstance(exc, RequestRejectedError | ServiceUnavailableError):
@@ -123,21 +143,21 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ErrorCountMiddleware, errors=metrics.errors)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=generation_errors)
     async def completions(request: Request) -> Response:
         return await serving.handle("completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(request: Request) -> Response:
         return await serving.handle("chat", request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=tokenizer_errors)
     async def tokenize_text(request: Request) -> Response:
         model, body = tokenize(parse_json(await request.body()), engine.tokenizer, engine.max_model_len)
         _check_model(model)
         return JSONResponse(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=tokenizer_errors)
     async def detokenize_ids(request: Request) -> Response:
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         model, body = detokenize(parse_json(await request.body()), engine.tokenizer, vocab)
@@ -148,28 +168,32 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if model != engine.model_name:
             raise ModelNotFoundError(model, engine.model_name)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=v1_errors)
     async def list_models() -> Response:
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=v1_errors)
     async def get_model(model_id: str) -> Response:
         if model_id != engine.model_name:
             raise ModelNotFoundError(model_id, engine.model_name)
         return JSONResponse(_model_card(state))
 
-    @app.get("/health")
+    @app.get("/health", response_model=Status)
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        response_model=Status,
+        responses={503: {"model": Status, "description": "warming up or draining"}},
+    )
     async def ready() -> Response:
         if admission.serving:
             return JSONResponse({"status": "ready"})
         status = "draining" if admission.draining else "not_ready"
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -45,7 +45,10 @@ FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("MODEL (positional)", "same", "the model directory, as `--model`", "MODEL / --model"),
     VllmFlag("--model", "same", "HF directory, .gguf file, `default` or `dummy:<preset>`", "--model"),
     VllmFlag(
-        "--served-model-name", "same", "one name; the first of several is refused", "--served-model-name"
+        "--served-model-name",
+        "same",
+        "one name (vLLM takes several: a second is exit 2)",
+        "--served-model-name",
     ),
     VllmFlag(
         "--host", "same", "bind address (vLLM binds all interfaces by default, tailserve loopback)", "--host"
