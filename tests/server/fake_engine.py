@@ -29,6 +29,8 @@ VOCAB_SIZE = 256
 class ByteTokenizer:
     """UTF-8 bytes as token ids; a trivial chat template."""
 
+    supports_tools = False  # the template knows no `tools`: the server's default tool prompt is used
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 

@@ -118,6 +118,13 @@ def test_openapi_json_describes_requests_responses_and_errors(fake_server: str) 
     for code in ("400", "401", "404", "413", "429", "503"):
         error = chat["responses"][code]["content"]["application/json"]["schema"]
         assert error == {"$ref": "#/components/schemas/ErrorResponse"}, code
+    responses = paths["/v1/responses"]["post"]
+    assert responses["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponsesRequest"
+    }
+    assert responses["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ResponseObject"
+    }
     request = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert {"model", "messages"} <= set(request["required"]) and request["additionalProperties"] is False
     assert "temperature" in request["properties"]

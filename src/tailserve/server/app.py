@@ -38,6 +38,7 @@ from tailserve.http.middleware import (
     ErrorCountMiddleware,
     JsonContentTypeMiddleware,
 )
+from tailserve.server import responses_api
 from tailserve.server.admission import Admission, WaitCorrection
 from tailserve.server.config import ServerConfig
 from tailserve.server.engine_api import Engine
@@ -48,6 +49,7 @@ from tailserve.server.openapi import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
     Status,
     TokenizeResponse,
     build_openapi,
@@ -150,6 +152,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(request: Request) -> Response:
         return await serving.handle("chat", request)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=generation_errors)
+    async def create_response(request: Request) -> Response:
+        return await responses_api.handle(serving, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=tokenizer_errors)
     async def tokenize_text(request: Request) -> Response:

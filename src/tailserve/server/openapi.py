@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from tailserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tailserve.server.responses_api import ResponsesRequest
 from tailserve.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 
@@ -177,6 +178,92 @@ class CompletionChunk(CompletionResponse):
     """One `data:` event of a streamed completion (the body's shape, a choice's new text)."""
 
 
+# ----- the Responses API ---------------------------------------------------------------------------
+class OutputText(_Out):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any] | None = None
+
+
+class OutputMessage(_Out):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(_Out):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class InputTokensDetails(_Out):
+    cached_tokens: int
+
+
+class OutputTokensDetails(_Out):
+    reasoning_tokens: int
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(_Out):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(_Out):
+    """POST /v1/responses: the Response object (stored nowhere: `store` is always false)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str]
+    output: list[OutputMessage | OutputFunctionCall]
+    parallel_tool_calls: bool
+    previous_response_id: None = None
+    store: Literal[False]
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    truncation: Literal["disabled"]
+    user: str | None = None
+    usage: ResponseUsage | None = None
+    tailserve_timings: Timings | None = None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed response (`event: <type>` and this as `data`): response.created,
+    response.in_progress, response.output_item.added, response.content_part.added,
+    response.output_text.delta / .done, response.function_call_arguments.delta / .done,
+    response.content_part.done, response.output_item.done, then response.completed (or
+    response.incomplete at max_output_tokens); `error` if the engine fails mid-stream."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int
+
+
 # ----- models, tokenizer, probes -------------------------------------------------------------------
 class ModelCard(_Out):
     id: str
@@ -214,11 +301,13 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/responses": ResponsesRequest,
 }
 # The stream events of routes that stream (`stream: true`), documented beside the JSON body.
 STREAM_EVENTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionChunk,
     "/v1/chat/completions": ChatCompletionChunk,
+    "/v1/responses": ResponseStreamEvent,
 }
 _ERRORS = {
     "400": "invalid request: the message names the parameter (`param`)",
@@ -239,6 +328,23 @@ def error_responses(*codes: str) -> dict[int | str, dict[str, Any]]:
         int(code): {"model": ErrorResponse, "description": why}
         for code, why in _ERRORS.items()
         if not codes or code in codes
+    }
+
+
+def _sse_event_schema(data_ref: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.2's reading of a text/event-stream schema): its `data` is
+    JSON of the route's event model, an OpenAI error body (a failure after the stream began, or the
+    drain deadline), or chat's closing `[DONE]`."""
+
+    def json_of(ref: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "string", "contentMediaType": "application/json", "contentSchema": ref}
+
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    data = {"anyOf": [{"const": "[DONE]"}, json_of(data_ref), json_of(error)]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"type": "string"}, "data": data, "id": {"type": "string"}},
     }
 
 
@@ -273,9 +379,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         if path not in paths:
             continue
         ok = paths[path]["post"]["responses"]["200"]
-        ok["description"] = (
-            f"the body; with `stream: true`, `data: <{event.__name__}>` events, then `data: [DONE]`"
-        )
-        ok["content"][SSE] = {"schema": {"type": "string"}}
+        ok["description"] = f"the body; with `stream: true`, events whose data is a {event.__name__}"
+        ok["content"][SSE] = {"schema": _sse_event_schema(refs[(event, "serialization")])}
     app.openapi_schema = schema
     return schema

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -61,6 +61,18 @@ from tailserve.server.slo_classes import SloClasses
 from tailserve.server.tools import ToolCallStream
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+class Render(Protocol):
+    """Another API's output over the chat path (/v1/responses): its body, its events, its error event."""
+
+    def body(self, job: Job, finals: Sequence[RequestOutput]) -> dict[str, Any]: ...
+
+    def events(self, job: Job, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]: ...
+
+    def error_event(self, body: dict[str, Any]) -> bytes: ...
+
+
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never reaches a client
 
 
@@ -85,15 +97,18 @@ class Serving:
         self._max_tokens_default = max_tokens_default
         self._defaults = defaults
 
-    async def handle(self, kind: Kind, request: Request) -> Response:
-        """The whole request; typed errors propagate to the app's single error mapping."""
+    async def handle(
+        self, kind: Kind, request: Request, render: Render | None = None, body: bytes | None = None
+    ) -> Response:
+        """The whole request; typed errors propagate to the app's single error mapping. `body` and
+        `render`: another API served as chat (its body translated to a chat request, its own output)."""
         self._admission.check_available()
         api_key = bearer_token(request.headers.get("authorization"))
-        prepared = self.prepare(kind, await request.body(), api_key)
+        prepared = self.prepare(kind, await request.body() if body is None else body, api_key)
         grammars = (i.params.grammar for i in prepared.inputs if i.params.grammar is not None)
         for spec in dict.fromkeys(grammars):
             await self._engine.prepare_grammar(spec)  # on a worker thread; a bad one is a 400 here
-        return await self.respond(prepared, request.receive)
+        return await self.respond(prepared, request.receive, render)
 
     def prepare(self, kind: Kind, body: bytes, api_key: str | None = None) -> Prepared:
         """Body -> validated engine inputs (one per choice); raises before anything is queued.
@@ -154,7 +169,7 @@ class Serving:
         if model != self._engine.model_name:
             raise ModelNotFoundError(model, self._engine.model_name)
 
-    async def respond(self, prepared: Prepared, receive: Receive) -> Response:
+    async def respond(self, prepared: Prepared, receive: Receive, render: Render | None = None) -> Response:
         """Admit every choice and queue it, wait for all first outputs (errors still become a proper
         status), then answer: a stream of events, or one body once every choice has finished."""
         inputs = prepared.inputs
@@ -185,13 +200,16 @@ class Serving:
                 run.ticket.started(teach=len(runs) == 1)
             if inputs[0].stream:
                 handed_over = True  # from here the event stream owns the runs and closes them
-                events = self._events(job, firsts, runs, inputs)
+                if render is not None:
+                    events = self._rendered_events(render, job, firsts, runs)
+                else:
+                    events = self._events(job, firsts, runs, inputs)
                 return SSEResponse(events, on_close=_close_all(runs), closing=closing)
             work_left = _all([_last_output(f, r.gen) for f, r in zip(firsts, runs, strict=True)])
             finals = await until_disconnect(work_left, receive, closing)
             if finals is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return JSONResponse(_body(job, inputs, finals))
+            return JSONResponse(render.body(job, finals) if render else _body(job, inputs, finals))
         finally:
             if not handed_over:
                 for i, run in enumerate(runs):
@@ -238,6 +256,31 @@ class Serving:
             self._metrics.errors.labels(status=str(http.status)).inc()
             yield sse_event(http.body)
             yield SSE_DONE
+        finally:
+            await outputs.aclose()
+            for run, final in zip(runs, finals, strict=True):
+                await run.close(final)
+
+    async def _rendered_events(
+        self, render: Render, job: Job, firsts: list[RequestOutput], runs: list[_Run]
+    ) -> AsyncGenerator[bytes, None]:
+        """`render`'s events over the outputs; an engine error mid-stream becomes its error event."""
+        finals: list[RequestOutput | None] = [None] * len(runs)
+        outputs = _merged([r.gen for r in runs], firsts)
+
+        async def tracked() -> AsyncIterator[tuple[int, RequestOutput]]:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
+                yield i, out
+
+        try:
+            async for event in render.events(job, tracked()):
+                yield event
+        except Exception as exc:
+            http = to_http(exc)
+            self._metrics.errors.labels(status=str(http.status)).inc()
+            yield render.error_event(http.body)
         finally:
             await outputs.aclose()
             for run, final in zip(runs, finals, strict=True):
