@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+import tailserve
 from tailserve.engine.request import SamplingParams
 from tailserve.errors import RequestRejectedError, TailserveError
 from tailserve.http.errors import (
@@ -52,9 +53,11 @@ from tailserve.server.openapi import (
     ResponseObject,
     Status,
     TokenizeResponse,
+    Version,
     build_openapi,
     error_responses,
 )
+from tailserve.server.request_ids import RequestIdMiddleware
 from tailserve.server.serving import Serving
 from tailserve.server.sglang_worker import worker_routes
 from tailserve.server.slo_classes import SloClasses
@@ -144,6 +147,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(JsonContentTypeMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(ErrorCountMiddleware, errors=metrics.errors)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries its X-Request-Id
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=generation_errors)
     async def completions(request: Request) -> Response:
@@ -183,6 +187,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if model_id != engine.model_name:
             raise ModelNotFoundError(model_id, engine.model_name)
         return JSONResponse(_model_card(state))
+
+    @app.get("/version", response_model=Version)
+    async def version() -> Response:
+        return JSONResponse({"version": tailserve.__version__})
 
     @app.get("/health", response_model=Status)
     async def health() -> Response:

@@ -293,6 +293,10 @@ class Status(_Out):
     status: str
 
 
+class Version(_Out):
+    version: str
+
+
 # ----- the schema ----------------------------------------------------------------------------------
 SSE = "text/event-stream"
 # The request body model of each POST route (the handlers read raw bodies; this is what they accept).

@@ -22,6 +22,7 @@ from tailserve.errors import InvalidRequestError
 from tailserve.http.errors import UnsupportedParameterError
 from tailserve.http.json_body import parse_json
 from tailserve.server.protocol import _Body, validate_body
+from tailserve.server.request_ids import request_id_of
 from tailserve.server.responses import Job, timings, usage
 from tailserve.server.serving import Serving
 from tailserve.server.tools import ToolCallStream
@@ -120,7 +121,8 @@ async def handle(serving: Serving, request: Request) -> Response:
     req = validate_body(ResponsesRequest, parse_json(await request.body()))
     try:
         body = json.dumps(chat_body(req)).encode()
-        return await serving.handle("chat", request, ResponseRender(req), body)
+        render = ResponseRender(req, request_id_of(request))
+        return await serving.handle("chat", request, render, body)
     except InvalidRequestError as exc:
         raise renamed(exc) from None
 
@@ -283,9 +285,9 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 class ResponseRender:
     """Engine outputs of one /v1/responses request -> its Response object, or its stream events."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(self, req: ResponsesRequest, request_id: str | None = None) -> None:
         self.req = req
-        self.response_id = _new_id("resp")
+        self.response_id = f"resp_{request_id}" if request_id else _new_id("resp")
         self._stream: ResponseEvents | None = None
 
     def response(

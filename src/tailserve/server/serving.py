@@ -43,6 +43,7 @@ from tailserve.server.protocol import (
     parses_tool_calls,
     validate_body,
 )
+from tailserve.server.request_ids import request_id_of
 from tailserve.server.responses import (
     Job,
     Kind,
@@ -104,15 +105,20 @@ class Serving:
         `render`: another API served as chat (its body translated to a chat request, its own output)."""
         self._admission.check_available()
         api_key = bearer_token(request.headers.get("authorization"))
-        prepared = self.prepare(kind, await request.body() if body is None else body, api_key)
+        raw = await request.body() if body is None else body
+        prepared = self.prepare(kind, raw, api_key, request_id_of(request))
         grammars = (i.params.grammar for i in prepared.inputs if i.params.grammar is not None)
         for spec in dict.fromkeys(grammars):
             await self._engine.prepare_grammar(spec)  # on a worker thread; a bad one is a 400 here
         return await self.respond(prepared, request.receive, render)
 
-    def prepare(self, kind: Kind, body: bytes, api_key: str | None = None) -> Prepared:
+    def prepare(
+        self, kind: Kind, body: bytes, api_key: str | None = None, request_id: str | None = None
+    ) -> Prepared:
         """Body -> validated engine inputs (one per choice); raises before anything is queued.
-        `api_key` (the caller's bearer token) may pick the request's SLO class and its cache_salt."""
+        `api_key` (the caller's bearer token) may pick the request's SLO class and its cache_salt;
+        `request_id` (X-Request-Id) names it to the client (`chatcmpl-<request_id>`); the engine's
+        ids stay fresh, so a client reusing an id (a retry) never collides with a running request."""
         data = parse_json(body)
         tokenizer = self._engine.tokenizer
         req: CompletionRequest | ChatCompletionRequest
@@ -143,14 +149,16 @@ class Serving:
             all_params = [_with_logprobs(p) for p in all_params]
         options = req.stream_options
         include_usage = options is not None and options.include_usage
-        request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        engine_id = f"{prefix}-{uuid.uuid4().hex}"
+        public_id = f"{prefix}-{request_id}" if request_id else engine_id
         echo = (
             echo_texts(req, prompts, tokenizer) if isinstance(req, CompletionRequest) and req.echo else None
         )
-        inputs = fan_out(prompts, all_params, per_prompt, request_id, req.stream, include_usage, echo)
+        inputs = fan_out(prompts, all_params, per_prompt, engine_id, req.stream, include_usage, echo)
         job = functools.partial(
             Job,
-            request_id,
+            public_id,
             kind,
             self._engine.model_name,
             int(time.time()),
@@ -163,7 +171,7 @@ class Serving:
             else None,
             best_of=best_of,
         )
-        return Prepared(request_id, inputs, slo, job)
+        return Prepared(engine_id, inputs, slo, job)
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.model_name:

@@ -181,6 +181,12 @@ FLAGS: tuple[VllmFlag, ...] = (
         "no effect",
         "text parts are joined into a string for every template",
     ),
+    VllmFlag(
+        "--enable-request-id-headers",
+        "no effect",
+        "X-Request-Id always comes back, and names the response's id",
+        takes_value=False,
+    ),
     VllmFlag("--uvicorn-log-level", "no effect", "--log-level sets uvicorn's level too"),
     VllmFlag("--max-logprobs", "no effect", "top_logprobs is limited to 20 (OpenAI's limit)"),
     VllmFlag(
