@@ -56,6 +56,17 @@ def test_a_text_response(texts: str) -> None:
     ResponseObject.model_validate(raw.json())  # the body is what /openapi.json documents
 
 
+def test_vllms_extensions_are_served(texts: str) -> None:
+    """ignore_eos (what benchmark clients send) and stop: as on the chat path."""
+    client = _client(texts)
+    long = client.responses.create(
+        model="fake-model", input="Hi", max_output_tokens=30, extra_body={"ignore_eos": True}
+    )
+    assert long.usage is not None and long.usage.output_tokens == 30
+    stopped = client.responses.create(model="fake-model", input="Hi", extra_body={"stop": ["friend"]})
+    assert stopped.output_text == "Hello there, "
+
+
 def test_max_output_tokens_makes_it_incomplete(texts: str) -> None:
     r = _client(texts).responses.create(model="fake-model", input="Hi", max_output_tokens=5)
     assert r.status == "incomplete" and r.incomplete_details is not None

@@ -113,6 +113,17 @@ class ResponsesRequest(_Body):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
+    # vLLM's extensions of the Responses request, served as on the chat path (benchmark clients send
+    # ignore_eos, e.g. aiperf's --extra-inputs).
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    cache_salt: str | None = None
+    priority: int | str | None = None
 
 
 async def handle(serving: Serving, request: Request) -> Response:
@@ -127,6 +138,17 @@ async def handle(serving: Serving, request: Request) -> Response:
         raise renamed(exc) from None
 
 
+_EXTENSIONS = (
+    "ignore_eos",
+    "seed",
+    "stop",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "cache_salt",
+    "priority",
+)
 # Chat parameter names, as the chat path reports them, -> the Responses names a client sent.
 _PARAM_NAMES = (
     ("max_tokens", "max_output_tokens"),
@@ -162,6 +184,7 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
         "user": req.user,
         "response_format": _response_format(req.text),
     }
+    optional |= {name: getattr(req, name) for name in _EXTENSIONS}
     body |= {k: v for k, v in optional.items() if v is not None}
     if req.tools:
         body["tools"] = [_chat_tool(t) for t in req.tools]
