@@ -79,7 +79,7 @@ def run_mixed(args: argparse.Namespace) -> list[str]:
     for n in args.decodes:
         for tokens in args.tokens:
             engine = engine_for(
-                args.model, max(n, 16), max(tokens + n, 256), args.threads, args.weight_format
+                args.model, n + 1, tokens + n, args.threads, args.weight_format, policy="fcfs"
             )
             start_streams(engine, n)
             mixed, decode = [], []
