@@ -87,6 +87,18 @@ def test_non_streamed_client_disconnect_aborts_on_the_replica(
         time.sleep(0.1)
     assert replica_metric(replica, "tailserve_requests_running") == 0
     assert replica_metric(replica, "tailserve_kv_blocks_used") == 0
+    # The router forgot them too: a count left up would skew placement away from this replica for good.
+    assert router_in_flight(router) == 0
+
+
+def router_in_flight(router: ServerProcess) -> float:
+    """tailserve_router_replica_in_flight summed over replicas (whatever labels name them)."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{router.base}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "tailserve_router_replica_in_flight":
+                total += sample.value
+    return total
 
 
 def _raw_headers_only(url: str, head: str) -> bytes:

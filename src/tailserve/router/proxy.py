@@ -35,6 +35,7 @@ from tailserve.router.sse import (
 log = logging.getLogger("tailserve.router")
 
 REPLICA_HEADER = "x-tailserve-replica"
+CLIENT_CLOSED_STATUS = "499"  # an attempt abandoned because the client left (nginx's code)
 # Hop-by-hop and framing headers are the router's own business on each side.
 _DROP_HEADERS = {
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -148,23 +149,24 @@ class Forwarder:
         )
         self._pool.acquire(replica)
         started_s = time.perf_counter()
-        try:
-            upstream = await self._client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            # A refused connection means the replica is gone. Other early errors (a keep-alive
-            # connection the replica closed as we sent, a slow answer) are retried but not held against it.
-            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-                self._pool.take_out(replica, f"connection failed: {exc!r}")
-            self._finish(replica, started_s, "connect_error")
-            return Failure("connect_error", f"{replica.url}: {exc!r}")
-        status = str(upstream.status_code)
+        # Cancelled anywhere before the hand-over (the client left: a non-streamed answer's headers
+        # only come with its end), the attempt is still accounted once, as the client's 499.
+        status = CLIENT_CLOSED_STATUS
+        upstream: httpx.Response | None = None
         handed_over = False
         try:
+            try:
+                upstream = await self._client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                # A refused connection means the replica is gone. Other early errors (a keep-alive
+                # connection the replica closed as we sent, a slow answer) are retried but not held against it.
+                if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                    self._pool.take_out(replica, f"connection failed: {exc!r}")
+                status = "connect_error"
+                return Failure(status, f"{replica.url}: {exc!r}")
             result = await self._read_start(replica, upstream, stream, started_s)
-            if isinstance(result, Failure):
-                status = result.status
-            elif isinstance(result, SSEResponse):
-                handed_over = True
+            status = result.status if isinstance(result, Failure) else str(upstream.status_code)
+            handed_over = isinstance(result, SSEResponse)
             return result
         except (httpx.TransportError, MalformedStream) as exc:
             if isinstance(exc, MalformedStream):
@@ -173,8 +175,11 @@ class Forwarder:
             return Failure(status, f"{replica.url}: response broke before any output ({exc!r})")
         finally:
             if not handed_over:
-                await upstream.aclose()
-                self._finish(replica, started_s, status)
+                try:
+                    if upstream is not None:
+                        await upstream.aclose()
+                finally:
+                    self._finish(replica, started_s, status)
 
     async def _read_start(
         self, replica: Replica, upstream: httpx.Response, stream: bool, started_s: float
