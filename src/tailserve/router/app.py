@@ -94,11 +94,13 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """GET /ready: 200 while at least one replica is healthy, else 503."""
+    """GET /ready: 200 while at least one replica is healthy and the router is not draining, else 503
+    (a load balancer must stop sending what the drain would refuse)."""
     state = _state(request)
     healthy = len(state.pool.healthy())
-    body = {"status": "ready" if healthy else "no healthy replica", "healthy_replicas": healthy}
-    return JSONResponse(body, status_code=200 if healthy else 503)
+    status = "draining" if state.drain.draining else "ready" if healthy else "no healthy replica"
+    body = {"status": status, "healthy_replicas": healthy}
+    return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
 
 async def metrics(request: Request) -> Response:
