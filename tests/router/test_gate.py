@@ -149,3 +149,19 @@ def test_client_answers_never_name_a_replica_url(fakes: list[Fake], make_router:
         assert "127.0.0.1" not in answer.text and all("127.0.0.1" not in v for v in answer.headers.values())
     rows = httpx.get(router.url + "/router/replicas").json()["replicas"]
     assert rows[0]["url"] == fakes[0].url and rows[0]["index"] == 0  # the operator's view keeps it
+
+
+def test_unauthenticated_metrics_name_replicas_by_index(stack: tuple[ServerProcess, ServerProcess]) -> None:
+    replica, router = stack
+    assert httpx.post(
+        f"{router.base}/v1/completions", json={"model": TINY, "prompt": "a", "max_tokens": 2}
+    ).is_success
+    text = httpx.get(f"{router.base}/metrics").text  # open, like the server's: no internal URL in it
+    assert replica.base not in text and "127.0.0.1" not in text
+    labels = {
+        sample.labels["replica"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if "replica" in sample.labels
+    }
+    assert labels == {"0"}  # the --replica position, as in the x-tailserve-replica header

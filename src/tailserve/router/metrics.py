@@ -1,6 +1,7 @@
 """The router's own Prometheus metrics, in a per-app registry (never the global one).
 
-Names are the contract in docs/INTERFACES.md; dashboards and alerts read them.
+Names are the contract in docs/INTERFACES.md; dashboards and alerts read them. A `replica` label is
+the replica's index in --replica order, never its URL: /metrics is open, replica URLs are internal.
 """
 
 from __future__ import annotations

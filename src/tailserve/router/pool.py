@@ -31,6 +31,11 @@ class Replica:
     snapshot: LoadSnapshot | None = None
     last_change_reason: str = "not checked yet"
 
+    @property
+    def label(self) -> str:
+        """The replica's name in metric labels: its index, since /metrics is open and URLs are internal."""
+        return str(self.index)
+
 
 class ReplicaPool:
     """All replicas of one router; the only place their health and counters change."""
@@ -41,8 +46,8 @@ class ReplicaPool:
         self.replicas = [Replica(url, index) for index, url in enumerate(config.replicas)]
         self._by_url = {r.url: r for r in self.replicas}
         for replica in self.replicas:
-            metrics.replica_healthy.labels(replica.url).set(0)
-            metrics.in_flight.labels(replica.url).set(0)
+            metrics.replica_healthy.labels(replica.label).set(0)
+            metrics.in_flight.labels(replica.label).set(0)
 
     def get(self, url: str) -> Replica:
         """The replica with this URL."""
@@ -95,16 +100,16 @@ class ReplicaPool:
     def acquire(self, replica: Replica) -> None:
         """Count a request the router is about to send to `replica`."""
         replica.in_flight += 1
-        self._metrics.in_flight.labels(replica.url).set(replica.in_flight)
+        self._metrics.in_flight.labels(replica.label).set(replica.in_flight)
 
     def release(self, replica: Replica) -> None:
         """The request sent to `replica` is over (finished, failed or abandoned)."""
         replica.in_flight = max(0, replica.in_flight - 1)
-        self._metrics.in_flight.labels(replica.url).set(replica.in_flight)
+        self._metrics.in_flight.labels(replica.label).set(replica.in_flight)
 
     def _set_healthy(self, replica: Replica, healthy: bool, reason: str) -> None:
         if replica.healthy != healthy:
             log.warning("replica %s %s (%s)", replica.url, "back in" if healthy else "taken out", reason)
         replica.healthy = healthy
         replica.last_change_reason = reason
-        self._metrics.replica_healthy.labels(replica.url).set(1 if healthy else 0)
+        self._metrics.replica_healthy.labels(replica.label).set(1 if healthy else 0)

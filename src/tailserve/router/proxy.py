@@ -138,8 +138,8 @@ class Forwarder:
     def _finish(self, replica: Replica, started_s: float, status: str) -> None:
         """Account for one attempt (exactly once, whatever its outcome)."""
         self._pool.release(replica)
-        self._metrics.requests.labels(replica.url, status).inc()
-        self._metrics.duration_s.labels(replica.url).observe(time.perf_counter() - started_s)
+        self._metrics.requests.labels(replica.label, status).inc()
+        self._metrics.duration_s.labels(replica.label).observe(time.perf_counter() - started_s)
 
     async def _attempt(
         self, replica: Replica, method: str, path: str, body: bytes, headers: Mapping[str, str], stream: bool
