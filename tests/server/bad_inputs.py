@@ -140,6 +140,12 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("cache_salt as number", {"model": TINY, "prompt": "a", "cache_salt": 7}, 400, "cache_salt"),
     BadInput("cache_salt of 257 characters", {"model": TINY, "prompt": "a", "cache_salt": "s" * 257}, 400, "cache_salt"),
     BadInput("empty cache_salt in chat", {**_chat("x"), "cache_salt": ""}, 400, "cache_salt", "/v1/chat/completions"),
+    # vLLM's tokenizer routes, which the router forwards too (issue 43)
+    BadInput("tokenize prompt and messages", {"model": TINY, "prompt": "a", "messages": []}, 400, "prompt", "/tokenize"),
+    BadInput("tokenize unknown model", {"model": "nope", "prompt": "a"}, 404, "model", "/tokenize"),
+    BadInput("tokenize truncated json", b'{"model": "dummy-tiny", "prompt": ', 400, path="/tokenize"),
+    BadInput("detokenize id past the vocabulary", {"model": TINY, "tokens": [10**9]}, 400, "tokens", "/detokenize"),
+    BadInput("detokenize tokens as text", {"model": TINY, "tokens": "abc"}, 400, "tokens", "/detokenize"),
 ]  # fmt: skip
 
 GOOD = json.dumps({"model": TINY, "prompt": "fine", "max_tokens": 2}).encode()

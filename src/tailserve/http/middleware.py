@@ -13,6 +13,7 @@ import json
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tailserve.http.access import SERVER_ACCESS, RouteAccess, needs_key
 from tailserve.http.errors import (
     AuthenticationError,
     BodyTooLargeError,
@@ -49,23 +50,24 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """401 on /v1/ paths unless `Authorization: Bearer <key>` matches one of the keys (scheme in any
-    case, as RFC 7235 says; constant-time compare of each key). `extra_keys` are the API keys that
-    --slo-classes names; with no key at all the paths are open."""
+    """401 on every path the access table does not open (http/access.py) unless `Authorization:
+    Bearer <key>` matches one of the keys (scheme in any case, as RFC 7235 says; constant-time
+    compare of each key). `extra_keys` are the API keys that --slo-classes names; with no key at
+    all every path is open."""
 
     def __init__(
         self,
         app: ASGIApp,
         api_key: str | None,
-        prefixes: tuple[str, ...] = (API_PREFIX,),
+        access: tuple[RouteAccess, ...] = SERVER_ACCESS,
         extra_keys: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self._expected = [key.encode() for key in (api_key, *extra_keys) if key]
-        self._prefixes = prefixes
+        self._access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._expected and scope["type"] == "http" and scope["path"].startswith(self._prefixes):
+        if self._expected and scope["type"] == "http" and needs_key(self._access, scope["path"]):
             scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
             # Every key is compared, so the time taken does not tell which one came close.
             matches = [hmac.compare_digest(token.strip(), key) for key in self._expected]

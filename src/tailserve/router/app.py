@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tailserve.http.access import ROUTER_ACCESS
 from tailserve.http.drain import Drain
 from tailserve.http.errors import HTTPError, ServiceUnavailableError, route_error, to_http
 from tailserve.http.json_body import parse_json
@@ -85,7 +86,14 @@ async def completions(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     """GET /v1/models and /v1/models/{id}, answered by a healthy replica."""
-    return await _forwarder(request).get(request.url.path, request.headers)
+    return await _forwarder(request).to_any("GET", request.url.path, b"", request.headers)
+
+
+async def tokenizer(request: Request) -> Response:
+    """POST /tokenize and /detokenize (vLLM's), answered by a healthy replica: every replica serves
+    the same model, so placement does not matter."""
+    body = await request.body()
+    return await _forwarder(request).to_any("POST", request.url.path, body, request.headers)
 
 
 async def health(request: Request) -> Response:
@@ -194,6 +202,8 @@ def create_app(config: RouterConfig) -> Starlette:
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", models, methods=["GET"]),
+        Route("/tokenize", tokenizer, methods=["POST"]),
+        Route("/detokenize", tokenizer, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -203,7 +213,7 @@ def create_app(config: RouterConfig) -> Starlette:
     middleware = [
         Middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes),
         Middleware(JsonContentTypeMiddleware),
-        Middleware(ApiKeyMiddleware, api_key=config.api_key, prefixes=("/v1/", "/router/")),
+        Middleware(ApiKeyMiddleware, api_key=config.api_key, access=ROUTER_ACCESS),
         Middleware(DrainMiddleware, drain=state.drain),
         Middleware(CatchAllMiddleware),
     ]

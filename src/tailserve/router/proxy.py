@@ -115,11 +115,13 @@ class Forwarder:
             return result
         return self._give_up(failure)
 
-    async def get(self, path: str, headers: Mapping[str, str]) -> Response:
-        """Forward a GET (e.g. /v1/models) to the first healthy replica that answers it."""
+    async def to_any(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
+        """Forward a request every replica answers alike (/v1/models, /tokenize) to the healthy
+        replica with the fewest requests in flight, the next on an early failure."""
         failure: Failure | None = None
-        for replica in self._pool.healthy()[: self._config.max_attempts]:
-            result = await self._attempt(replica, "GET", path, b"", headers, stream=False)
+        replicas = sorted(self._pool.healthy(), key=lambda r: r.in_flight)
+        for replica in replicas[: self._config.max_attempts]:
+            result = await self._attempt(replica, method, path, body, headers, stream=False)
             if not isinstance(result, Failure):
                 return result
             failure = result
