@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 from prometheus_client import Counter
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tailserve.http.access import SERVER_ACCESS, RouteAccess, needs_key
@@ -23,6 +25,9 @@ from tailserve.http.errors import (
 )
 
 API_PREFIX = "/v1/"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never reaches a client
+
+log = logging.getLogger("tailserve.http")
 
 
 async def send_error(send: Send, error: HTTPError) -> None:
@@ -97,7 +102,10 @@ class JsonContentTypeMiddleware:
 
 class CatchAllMiddleware:
     """An unexpected exception becomes a 500 in OpenAI JSON (logged once by to_http), and is not
-    re-raised: the connection stays usable. After the response started, nothing more can be sent."""
+    re-raised: the connection stays usable. After the response started, nothing more can be sent.
+
+    A client that hangs up before its body has arrived is the client's event, not the server's
+    error: one log line, and a 499 that no one receives but the error counter counts."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -115,6 +123,15 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            log.info(
+                "%s %s: the client closed the connection before its request body arrived",
+                scope["method"],
+                scope["path"],
+            )
+            if not started:
+                await send({"type": "http.response.start", "status": CLIENT_CLOSED_REQUEST, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
         except Exception as exc:
             error = to_http(exc)
             if not started:

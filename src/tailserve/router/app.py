@@ -26,6 +26,7 @@ from tailserve.http.drain import Drain
 from tailserve.http.errors import HTTPError, ServiceUnavailableError, route_error, to_http
 from tailserve.http.json_body import parse_json
 from tailserve.http.middleware import (
+    CLIENT_CLOSED_REQUEST,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     CatchAllMiddleware,
@@ -40,8 +41,6 @@ from tailserve.router.policies import Policy, make_policy
 from tailserve.router.pool import ReplicaPool
 from tailserve.router.proxy import Forwarder
 from tailserve.router.request_info import route_request
-
-CLIENT_CLOSED_REQUEST = 499  # the client left first; never reaches it
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

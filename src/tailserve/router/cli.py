@@ -82,9 +82,12 @@ def config_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterCon
 def serve_router(config: RouterConfig, log_level: str = "info") -> int:
     """Run the router on config.host:config.port until SIGINT/SIGTERM, draining as the server does;
     0 after a clean drain, 1 if it could not start."""
+    import logging
+
     from tailserve.http.serve import serve_until_drained
     from tailserve.router.app import create_app
 
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     return serve_until_drained(
         app,

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from tailserve.engine.request import RequestOutput, SamplingParams, SloTarget, TokenLogprob
 from tailserve.http.errors import ModelNotFoundError, to_http
 from tailserve.http.json_body import parse_json
-from tailserve.http.middleware import bearer_token
+from tailserve.http.middleware import CLIENT_CLOSED_REQUEST, bearer_token
 from tailserve.http.sse import SSE_DONE, SSEResponse, sse_event, until_disconnect
 from tailserve.server.admission import Admission, Ticket
 from tailserve.server.engine_api import Engine
@@ -72,9 +72,6 @@ class Render(Protocol):
     def events(self, job: Job, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]: ...
 
     def error_event(self, body: dict[str, Any]) -> bytes: ...
-
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never reaches a client
 
 
 class Serving:
