@@ -11,8 +11,16 @@ from contextlib import contextmanager
 
 import httpx
 
+from tailserve.http.serve import FORCED_EXIT_CODE
 from tests.server.harness import ServerProcess, free_port, running_process, serve_process, tailserve_command
-from tests.server.test_shutdown import LONG, open_request, read_until
+from tests.server.test_shutdown import (
+    LONG,
+    assert_clean_log,
+    assert_cut_cleanly,
+    open_request,
+    read_to_close,
+    read_until,
+)
 
 
 @contextmanager
@@ -43,3 +51,25 @@ def test_router_ready_turns_503_as_soon_as_its_drain_begins() -> None:
         assert httpx.get(f"{router.base}/health").status_code == 200  # alive, only leaving
         stream.close()  # the last request in flight goes: the drain ends
         assert router.proc.wait(timeout=60) == 0
+
+
+def test_router_second_signal_ends_relayed_streams_and_exits_non_zero() -> None:
+    with router_over_replica(drain_timeout_s=60) as (replica, router):
+        streams = [open_request(router.base, {**LONG, "stream": True}) for _ in range(3)]
+        for sock in streams:
+            read_until(sock, b"data: ")
+        router.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{router.base}/ready").status_code != 503:  # the drain has begun
+            assert time.monotonic() < deadline, "the drain never began"
+            time.sleep(0.05)
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(timeout=45) == FORCED_EXIT_CODE  # not the 60 s drain, and not 0
+        for sock in streams:
+            assert_cut_cleanly(read_to_close(sock))
+        assert_clean_log(router)
+        # The router closed its upstream streams: the replica aborted them.
+        deadline = time.monotonic() + 30
+        while "tailserve_requests_running 0.0" not in httpx.get(f"{replica.base}/metrics").text:
+            assert time.monotonic() < deadline, "the replica kept generating for a gone router"
+            time.sleep(0.1)

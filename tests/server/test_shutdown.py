@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from tailserve.http.serve import FORCED_EXIT_CODE
 from tests.server.harness import ServerProcess, free_port, running_process, serve_process, tailserve_command
 
 LONG = {"model": "fake-model", "prompt": "hello", "max_tokens": 400}  # 400 steps of 50 ms: 20 s
@@ -104,12 +105,18 @@ def test_drain_deadline_ends_every_open_response_and_the_process_exits() -> None
         assert_clean_log(server)
 
 
-def test_second_signal_exits_at_once() -> None:
+def test_second_signal_ends_open_responses_at_once_and_exits_non_zero() -> None:
     with serve_process(
         ["--step-s", "0.05", "--drain-timeout", "60"], fake=True, ready_timeout_s=60
     ) as server:
-        sock = open_request(server.base, {**LONG, "stream": True})
-        read_until(sock, b"data: ")
+        streams = [open_request(server.base, {**LONG, "stream": True}) for _ in range(4)]
+        for sock in streams:
+            read_until(sock, b"data: ")
+        plain = open_request(server.base, LONG)
+        deadline = time.monotonic() + 30
+        while waiting(server.base) < 1:  # the plain request is queued in the engine
+            assert time.monotonic() < deadline, "the plain request never reached the engine"
+            time.sleep(0.05)
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
         while httpx.get(f"{server.base}/ready").status_code != 503:  # the drain has begun
@@ -117,9 +124,15 @@ def test_second_signal_exits_at_once() -> None:
             time.sleep(0.05)
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(timeout=45) == 0
+        # Non-zero: a supervisor must know the drain was cut short.
+        assert server.proc.wait(timeout=45) == FORCED_EXIT_CODE
         assert time.monotonic() - started < 15  # not the 60 s drain
-        sock.close()
+        for sock in streams:  # each open stream still got its error event and [DONE]
+            assert_cut_cleanly(read_to_close(sock))
+        head, _, body = read_to_close(plain).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), head
+        assert json.loads(body)["error"]["code"] == "draining"
+        assert_clean_log(server)
 
 
 def test_router_drains_like_the_server_and_exits_zero() -> None:

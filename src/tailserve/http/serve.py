@@ -2,7 +2,8 @@
 
 First signal: stop admitting (503), wait for in-flight requests up to the drain timeout, then end
 every response still open (SSE streams get an error event and [DONE]) and exit 0 promptly. A second
-signal exits at once. Never re-raises the signal. Malformed HTTP (e.g. oversized headers) gets an
+signal cuts the drain: every open response ends the same way at once (given FORCED_GRACE_S to
+flush), and the process exits FORCED_EXIT_CODE; a third exits without waiting. Never re-raises the signal. Malformed HTTP (e.g. oversized headers) gets an
 OpenAI JSON error with h11's status (431 for headers) instead of a reset connection.
 """
 
@@ -27,6 +28,8 @@ from tailserve.http.tls import TlsFiles, refresh_certificates
 log = logging.getLogger("tailserve.server")
 # Responses ended at the drain deadline need a moment to flush before uvicorn closes connections.
 SHUTDOWN_GRACE_S = 2
+FORCED_GRACE_S = 0.5  # after a second signal, for the open responses' last events to go out
+FORCED_EXIT_CODE = 3  # the drain was cut by a second signal (0: drained; 1: could not start)
 LINGER_S = 2.0  # how long a rejected connection keeps reading (so closing it sends no RST)
 
 
@@ -42,6 +45,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._signalled = False
         self._tls = tls
+        self.forced = False  # a second signal cut the drain
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -60,13 +64,27 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the signal handler: only flags and a thread-safe hop onto the loop.
-        if self._signalled or self._loop is None:
-            log.warning("second signal: exiting now")
+        if self._loop is None or self.forced:
+            log.warning("signal during start-up, or a third signal: exiting now")
+            self.forced = True
             self.force_exit = True
             self.should_exit = True
             return
+        if self._signalled:
+            self.forced = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._cut_drain()))
+            return
         self._signalled = True
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._run_drain()))
+
+    async def _cut_drain(self) -> None:
+        """A second signal: end every open response now (an SSE error event and [DONE], or a 503),
+        give them FORCED_GRACE_S to go out, then exit."""
+        drain = self._drain
+        log.warning("second signal: ending %d requests in flight now and exiting", drain.in_flight)
+        drain.close_streams()
+        await drain.wait_idle(FORCED_GRACE_S)
+        self.should_exit = True
 
     async def _run_drain(self) -> None:
         drain = self._drain
@@ -143,4 +161,6 @@ def serve_until_drained(
     )
     server = DrainingServer(uv_config, drain, drain_timeout_s, tls)
     server.run()
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return FORCED_EXIT_CODE if server.forced else 0
