@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class BadInput:
     path: str = "/v1/completions"
     headers: dict[str, str] = field(default_factory=lambda: dict(JSON))
     body_read: bool = True  # False: refused from the headers, so the connection cannot be reused
+    says: str | None = None  # a phrase the message must keep (the useful part of a library's complaint)
 
     def content(self) -> bytes:
         return self.body if isinstance(self.body, bytes) else json.dumps(self.body).encode()
@@ -118,6 +120,35 @@ BAD_INPUTS: list[BadInput] = [
         400,
         "response_format.json_schema.schema",
         "/v1/chat/completions",
+        says='Unsupported type "nope"',
+    ),
+    BadInput(
+        "json schema with a dangling $ref",
+        {"model": TINY, "prompt": "a", "structured_outputs": {"json": {"$ref": "#/definitions/missing"}}},
+        400,
+        "structured_outputs.json",
+        says="#/definitions/missing",
+    ),
+    BadInput(
+        "json schema minimum over maximum",
+        {"model": TINY, "prompt": "a", "structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}},
+        400,
+        "structured_outputs.json",
+        says="minimum greater than maximum",
+    ),
+    BadInput(
+        "unclosed regex",
+        {"model": TINY, "prompt": "a", "structured_outputs": {"regex": "[unclosed"}},
+        400,
+        "structured_outputs.regex",
+        says="Unclosed '['",
+    ),
+    BadInput(
+        "grammar with an undefined rule",
+        {"model": TINY, "prompt": "a", "structured_outputs": {"grammar": "root ::= foo"}},
+        400,
+        "structured_outputs.grammar",
+        says='Rule "foo" is not defined',
     ),
     BadInput(
         "min_tokens with a grammar",
@@ -148,6 +179,7 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("detokenize tokens as text", {"model": TINY, "tokens": "abc"}, 400, "tokens", "/detokenize"),
 ]  # fmt: skip
 
+INTERNALS = re.compile(r"\[\d\d:\d\d:\d\d\]|/[\w.-]+/\S*\.(cc|cpp|h|hpp|py)\b|\.(cc|cpp|h|hpp|py):\d+")
 GOOD = json.dumps({"model": TINY, "prompt": "fine", "max_tokens": 2}).encode()
 
 
@@ -185,6 +217,10 @@ def check_bad_inputs(base: str, metrics_base: str) -> None:
             assert error["message"] and error["type"], entry.name
             if entry.param is not None:
                 assert error["param"] == entry.param, (entry.name, raw[:300])
+            # No build path, source line or log timestamp of a library leaks into a message.
+            assert not INTERNALS.search(error["message"]), (entry.name, error["message"])
+            if entry.says is not None:
+                assert entry.says in error["message"], (entry.name, error["message"])
             assert wait_no_blocks(metrics_base) == 0, entry.name
             if not entry.body_read:
                 conn.close()

@@ -9,6 +9,7 @@ before the engine sees the request; the step loop then finds the grammar in the 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -147,12 +148,26 @@ def _compile(compiler: Any, spec: GrammarSpec) -> Any:
     except InvalidRequestError:
         raise
     except Exception as exc:  # the library raises RuntimeError/ValueError subclasses with a useful message
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InvalidRequestError(f"Invalid '{spec.param}': {detail}", spec.param) from None
+        raise InvalidRequestError(f"Invalid '{spec.param}': {_client_detail(exc)}", spec.param) from None
     raise InvalidRequestError(f"Unknown structured output kind {spec.kind!r}", spec.param)
 
 
 _TOOL_CALL_AROUND = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+# xgrammar's C++ log prefix ("[02:52:28] /project/cpp/json_schema_converter.cc:5082: "), and any
+# other source path with a line number: the client needs the complaint, not where it was raised.
+_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\]\s*")
+_SOURCE_AT = re.compile(r"(?:[\w./-]*/)?[\w.-]+\.(?:cc|cpp|cxx|h|hpp|py)(?::\d+)+:?\s*")
+
+
+def _client_detail(exc: Exception) -> str:
+    """The library's complaint as a client may see it: its first line, without the log timestamp,
+    source paths and line numbers."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    line = _SOURCE_AT.sub("", _LOG_PREFIX.sub("", line)).strip()
+    return line or type(exc).__name__
+
+
 _LENGTH_KEYS = ("minLength", "maxLength")
 
 
