@@ -171,6 +171,13 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("cache_salt as number", {"model": TINY, "prompt": "a", "cache_salt": 7}, 400, "cache_salt"),
     BadInput("cache_salt of 257 characters", {"model": TINY, "prompt": "a", "cache_salt": "s" * 257}, 400, "cache_salt"),
     BadInput("empty cache_salt in chat", {**_chat("x"), "cache_salt": ""}, 400, "cache_salt", "/v1/chat/completions"),
+    BadInput(
+        "64 prompts x n=16: more generations than the queue holds",
+        {"model": TINY, "prompt": ["a"] * 64, "n": 16, "max_tokens": 1},
+        400,
+        "n",
+        says="1024 generations",
+    ),
     # vLLM's tokenizer routes, which the router forwards too (issue 43)
     BadInput("tokenize prompt and messages", {"model": TINY, "prompt": "a", "messages": []}, 400, "prompt", "/tokenize"),
     BadInput("tokenize unknown model", {"model": "nope", "prompt": "a"}, 404, "model", "/tokenize"),

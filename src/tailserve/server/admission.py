@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 from tailserve.engine.quote import WaitQuote
-from tailserve.errors import RequestRejectedError
+from tailserve.errors import InvalidRequestError, RequestRejectedError
 from tailserve.http.drain import Drain
 from tailserve.http.errors import ServiceUnavailableError
 from tailserve.server.engine_api import Engine
@@ -142,12 +142,29 @@ class Admission:
         if not self.ready:
             raise ServiceUnavailableError("not_ready")
 
-    def admit(self, quote: WaitQuote) -> Ticket:
+    def check_fits(self, generations: int, prompts: int) -> None:
+        """400 when one HTTP request asks for more engine requests (prompts x n, or x best_of) than
+        the waiting queue holds: handed over together, they would all wait at once, and no wait
+        would let them in (the engine may start some before the rest arrive, but not reliably)."""
+        max_waiting = self._engine.config.scheduler.max_waiting
+        if generations <= max_waiting:
+            return
+        per_prompt = generations // max(1, prompts)
+        message = (
+            f"This request asks for {generations} generations ({prompts} prompts x {per_prompt} choices "
+            f"each), more than the server queues at once (--max-waiting {max_waiting}), so it can never "
+            f"be admitted: send fewer prompts or a smaller n"
+        )
+        raise InvalidRequestError(message, "n" if per_prompt > 1 else "prompt")
+
+    def admit(self, quote: WaitQuote, own_admitted: int = 0, generations: int = 1) -> Ticket:
         """A ticket, or RequestRejectedError (429) when the queue is full or, with work queued ahead
         of it, the request's own TTFT target would break. `quote`: the engine's price of the request
         (Engine.submit), whose predicted wait counts every request handed to the engine, seen by a
         step or not, as the planner orders them (a savable newcomer passes work past saving, which
-        only keeps a reserve of each step: docs/ENGINE.md)."""
+        only keeps a reserve of each step: docs/ENGINE.md). `generations`: the engine requests of the
+        HTTP request this one belongs to, `own_admitted` of them admitted already (the message says
+        when those, not others, filled the queue)."""
         self.check_available()
         limits = self._engine.config.scheduler
         ttft_s, predicted_s = quote.ttft_s, quote.predicted_wait_s
@@ -156,7 +173,7 @@ class Admission:
         # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.
         queued = max(self._engine.stats().num_waiting, self.not_started - limits.max_num_seqs)
         if queued >= limits.max_waiting:
-            message = f"Server overloaded: {queued} requests are already waiting (limit {limits.max_waiting})"
+            message = _queue_full_message(queued, limits.max_waiting, own_admitted, generations)
             raise RequestRejectedError(message, retry_after_s=max(1.0, wait_s), reason="queue_full")
         # A request with nothing queued ahead starts with the next step: refusing it saves no one,
         # and no server could give it a sooner first token, so it is let in even when its own
@@ -183,3 +200,15 @@ class Admission:
     def begin_drain(self) -> None:
         """Stop admitting: every new request gets 503 from now on."""
         self.drain.begin()
+
+
+def _queue_full_message(queued: int, max_waiting: int, own_admitted: int, generations: int) -> str:
+    """The 429's text: whose requests fill the queue, and what this request needed."""
+    if own_admitted:
+        return (
+            f"Server overloaded: this request's {generations} generations (prompts x n) do not fit beside "
+            f"the requests already queued; {own_admitted} fitted before the waiting queue reached its "
+            f"limit of {max_waiting}"
+        )
+    needs = f"; this request needs {generations} places" if generations > 1 else ""
+    return f"Server overloaded: {queued} requests are already waiting (the limit of {max_waiting}){needs}"

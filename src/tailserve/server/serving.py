@@ -182,6 +182,7 @@ class Serving:
         runs: list[_Run] = []
         handed_over = False
         finals: list[RequestOutput] | None = None
+        self._admission.check_fits(len(inputs), sum(not inp.shares_prompt for inp in inputs))
         try:
             for i, inp in enumerate(inputs):
                 # One engine request per choice, named after the HTTP request (`-index` when several).
@@ -190,7 +191,7 @@ class Serving:
                     rid,
                     inp.prompt_token_ids,
                     inp.params,
-                    self._admission.admit,
+                    functools.partial(self._admission.admit, own_admitted=i, generations=len(inputs)),
                     slo=prepared.slo,
                     fork_of=inp.fork_of,
                 )
