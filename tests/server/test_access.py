@@ -1,16 +1,34 @@
 """Who needs the API key, as a client meets it: real `tailserve serve` and `tailserve route` processes
-with --api-key on loopback.
+with --api-key on loopback; and every route either app declares checked against the one access
+table (tailserve/http/access.py) and its copy in the docs, so a new route cannot slip past it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from starlette.applications import Starlette
 
+from tailserve.http.access import ROUTER_ACCESS, SERVER_ACCESS, RouteAccess, needs_key, row_for
+from tailserve.router.app import create_app as create_router_app
+from tailserve.router.config import RouterConfig
+from tailserve.server.app import create_app as create_server_app
+from tailserve.server.config import ServerConfig
+from tests.router.fake_replica import ThreadedServer
 from tests.server.bad_inputs import TINY
-from tests.server.harness import ServerProcess, free_port, running_process, serve_process, tailserve_command
+from tests.server.fake_engine import FakeEngine
+from tests.server.harness import (
+    REPO,
+    ServerProcess,
+    free_port,
+    running_process,
+    serve_process,
+    tailserve_command,
+    threaded_server,
+)
 
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -47,3 +65,67 @@ def test_tokenize_and_detokenize_need_the_key_on_server_and_router(
         routed = httpx.post(f"{router.base}{path}", json=body, headers=AUTH)
         assert direct.status_code == routed.status_code == 200, (path, routed.text)
         assert routed.json() == direct.json()
+
+
+# --- the route-by-route table: every declared route is in it, behaves as it says, and the docs print it
+
+
+def _routes(app: Starlette) -> list[tuple[str, str]]:
+    """(path with its parameters filled in, one method) for every route the app declares."""
+    out = []
+    for route in app.routes:
+        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+        assert isinstance(path, str), f"a route without a path: {route!r}"
+        chosen = sorted(m for m in (methods or {"GET"}) if m != "HEAD")[0]
+        out.append((re.sub(r"\{[^}]*\}", "x", path), chosen))
+    return out
+
+
+def _markdown(table: tuple[RouteAccess, ...]) -> str:
+    """The table as docs/SERVER.md and docs/ROUTER.md print it."""
+    lines = ["| path | needs the key | why |", "| --- | --- | --- |"]
+    for row in table:
+        shown = f"`{row.path}*`" if row.path.endswith("/") else f"`{row.path}`"
+        lines.append(f"| {shown} | {'yes' if row.needs_key else 'no'} | {row.why} |")
+    return "\n".join(lines)
+
+
+def _check_app(base: str, app: Starlette, table: tuple[RouteAccess, ...]) -> None:
+    routes = _routes(app)
+    assert len(routes) >= 6
+    for path, method in [*routes, ("/no-such-route", "GET")]:
+        row = row_for(table, path)
+        assert row is not None or path == "/no-such-route", (
+            f"{method} {path} is not in the access table (tailserve/http/access.py): say whether it "
+            "needs the key and why, and print the table in docs/SERVER.md and docs/ROUTER.md"
+        )
+        expected = needs_key(table, path)
+        refused = httpx.request(method, f"{base}{path}", json={} if method == "POST" else None, timeout=30)
+        assert (refused.status_code == 401) == expected, (
+            method,
+            path,
+            refused.status_code,
+            refused.text[:200],
+        )
+        allowed = httpx.request(
+            method, f"{base}{path}", json={} if method == "POST" else None, headers=AUTH, timeout=30
+        )
+        assert allowed.status_code != 401, (method, path, allowed.text[:200])
+
+
+def test_every_server_route_is_in_the_access_table_and_the_docs() -> None:
+    app = create_server_app(FakeEngine(), ServerConfig(api_key=KEY))
+    with threaded_server(FakeEngine(), ServerConfig(api_key=KEY)) as base:
+        _check_app(base, app, SERVER_ACCESS)
+    assert _markdown(SERVER_ACCESS) in (REPO / "docs/SERVER.md").read_text(), _markdown(SERVER_ACCESS)
+
+
+def test_every_router_route_is_in_the_access_table_and_the_docs() -> None:
+    config = RouterConfig(replicas=(f"http://127.0.0.1:{free_port()}",), api_key=KEY, health_interval_s=0.2)
+    app = create_router_app(config)
+    server = ThreadedServer(app).start()
+    try:
+        _check_app(server.url, app, ROUTER_ACCESS)
+    finally:
+        server.stop()
+    assert _markdown(ROUTER_ACCESS) in (REPO / "docs/ROUTER.md").read_text(), _markdown(ROUTER_ACCESS)
