@@ -5,6 +5,7 @@ table (tailserve/http/access.py) and its copy in the docs, so a new route cannot
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 
@@ -129,3 +130,19 @@ def test_every_router_route_is_in_the_access_table_and_the_docs() -> None:
     finally:
         server.stop()
     assert _markdown(ROUTER_ACCESS) in (REPO / "docs/ROUTER.md").read_text(), _markdown(ROUTER_ACCESS)
+
+
+def test_behind_a_path_prefixing_proxy_the_table_still_applies() -> None:
+    """--root-path: the ASGI path starts with the prefix, the table's paths do not."""
+
+    async def probe() -> dict[str, int]:
+        app = create_server_app(FakeEngine(), ServerConfig(api_key=KEY))
+        transport = httpx.ASGITransport(app=app, root_path="/llm")
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return {
+                "health": (await client.get("/llm/health")).status_code,
+                "models": (await client.get("/llm/v1/models")).status_code,
+                "models with key": (await client.get("/llm/v1/models", headers=AUTH)).status_code,
+            }
+
+    assert asyncio.run(probe()) == {"health": 200, "models": 401, "models with key": 200}

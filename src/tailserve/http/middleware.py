@@ -39,6 +39,14 @@ async def send_error(send: Send, error: HTTPError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: behind a path-prefixing proxy (--root-path) the ASGI `path`
+    starts with `root_path`, which the routes do not include."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", []):
         if key.lower() == name:
@@ -72,7 +80,7 @@ class ApiKeyMiddleware:
         self._access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._expected and scope["type"] == "http" and needs_key(self._access, scope["path"]):
+        if self._expected and scope["type"] == "http" and needs_key(self._access, route_path(scope)):
             scheme, _, token = (_header(scope, b"authorization") or b"").strip().partition(b" ")
             # Every key is compared, so the time taken does not tell which one came close.
             matches = [hmac.compare_digest(token.strip(), key) for key in self._expected]
@@ -91,7 +99,7 @@ class JsonContentTypeMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(API_PREFIX):
+        if scope["type"] == "http" and scope["method"] == "POST" and route_path(scope).startswith(API_PREFIX):
             declared = _header(scope, b"content-type")
             if declared is not None and declared.split(b";")[0].strip().lower() != b"application/json":
                 shown = declared.decode("latin-1")[:100]
@@ -175,7 +183,7 @@ class ErrorCountMiddleware:
         self._errors = errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+        if scope["type"] != "http" or not route_path(scope).startswith(API_PREFIX):
             await self.app(scope, receive, send)
             return
 

@@ -26,11 +26,13 @@ from tailserve.http.drain import Drain
 from tailserve.http.errors import HTTPError, ServiceUnavailableError, route_error, to_http
 from tailserve.http.json_body import parse_json
 from tailserve.http.middleware import (
+    API_PREFIX,
     CLIENT_CLOSED_REQUEST,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     CatchAllMiddleware,
     JsonContentTypeMiddleware,
+    route_path,
     send_error,
 )
 from tailserve.http.sse import until_disconnect
@@ -147,7 +149,7 @@ class DrainMiddleware:
         self._drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not route_path(scope).startswith(API_PREFIX):
             await self.app(scope, receive, send)
             return
         if self._drain.draining:
