@@ -129,6 +129,29 @@ def create_fake_app(behavior: FakeBehavior, name: str) -> Starlette:
             yield _chunk(request_id, "x", chat, "length" if i == n - 1 else None)
         yield b"data: [DONE]\n\n"
 
+    async def responses(request: Request) -> Response:
+        """/v1/responses as OpenAI streams it: named events, the last `response.completed`, no [DONE]."""
+        body = await request.json()
+        with behavior.lock:
+            behavior.requests.append(body)
+            request_id = f"resp_{name}_{len(behavior.requests)}"
+        text = f"[{name}]" + "x" * int(body.get("max_output_tokens") or behavior.num_tokens)
+        done = {"id": request_id, "object": "response", "status": "completed", "output_text": text}
+        if not body.get("stream"):
+            return JSONResponse(done)
+
+        async def events() -> AsyncIterator[bytes]:
+            for seq, (kind, data) in enumerate(
+                [("response.created", {"response": {**done, "status": "in_progress"}})]
+                + [("response.output_text.delta", {"delta": ch}) for ch in text]
+                + [("response.completed", {"response": done})]
+            ):
+                await asyncio.sleep(behavior.token_delay_s)
+                payload = json.dumps({"type": kind, "sequence_number": seq, **data})
+                yield f"event: {kind}\ndata: {payload}\n\n".encode()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async def ready(request: Request) -> Response:
         return JSONResponse({"ready": behavior.ready}, status_code=200 if behavior.ready else 503)
 
@@ -159,6 +182,7 @@ def create_fake_app(behavior: FakeBehavior, name: str) -> Starlette:
         routes=[
             Route("/v1/completions", generate, methods=["POST"]),
             Route("/v1/chat/completions", generate, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", models),
             Route("/ready", ready),
             Route("/health", health),

@@ -145,6 +145,13 @@ def test_prompt_text_of_completions_and_chat() -> None:
     assert text.startswith("<|system|>\nsys\n") and text.endswith("<|user|>\nhi\n")
     longer = {"messages": [*chat["messages"], {"role": "assistant", "content": "yo"}]}
     assert prompt_text(longer).startswith(text)  # a conversation's turns extend its prefix
+    # The Responses API's instructions and input render as the same conversation: same placement.
+    responses = {
+        "instructions": "sys",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+    }
+    assert prompt_text(responses) == text
+    assert prompt_text({"instructions": "sys", "input": "hi"}) == text
 
 
 def test_session_key_from_user_then_header() -> None:

@@ -268,3 +268,22 @@ def test_client_disconnect_mid_stream_releases_the_replica(
         lambda: _metric(router.url, "tailserve_router_replica_in_flight", replica=replica) == 0, 10
     )
     release.set()
+
+
+def test_responses_api_streams_are_relayed_to_their_last_event(
+    fakes: list[Fake], make_router: RouterFactory
+) -> None:
+    """/v1/responses streams end with `response.completed`, not [DONE]: relayed whole, and the
+    replica stays in rotation."""
+    router = make_router([fakes[0].url], max_attempts=1)
+    body = {"model": "fake", "input": "hello", "max_output_tokens": 3, "stream": True}
+    for _ in range(2):
+        with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=20) as response:
+            assert response.status_code == 200
+            events = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
+        assert events[0] == "response.created" and events[-1] == "response.completed", events
+        assert events.count("response.output_text.delta") == len("[r0]xxx")
+    assert _metric(router.url, "tailserve_router_replica_healthy", replica="0") == 1
+    assert _metric(router.url, "tailserve_router_requests_total", replica="0", status="200") == 2
+    plain = httpx.post(router.url + "/v1/responses", json={**body, "stream": False}, timeout=20)
+    assert plain.status_code == 200 and plain.json()["output_text"] == "[r0]xxx"

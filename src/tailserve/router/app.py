@@ -72,7 +72,7 @@ def _forwarder(request: Request) -> Forwarder:
 
 
 async def completions(request: Request) -> Response:
-    """POST /v1/completions and /v1/chat/completions: place, forward, relay.
+    """POST /v1/completions, /v1/chat/completions and /v1/responses: place, forward, relay.
 
     A client that leaves before the answer starts cancels the forward, which closes the replica
     connection, and the replica aborts the generation (streamed or not)."""
@@ -201,6 +201,7 @@ def create_app(config: RouterConfig) -> Starlette:
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/responses", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", models, methods=["GET"]),
         Route("/tokenize", tokenizer, methods=["POST"]),

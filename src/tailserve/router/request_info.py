@@ -24,8 +24,11 @@ def _content_text(content: Any) -> str:
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
-    """The prompt (completions) or the rendered messages (chat) of an OpenAI request body."""
+    """The prompt (completions) or the rendered messages (chat, and the Responses API's
+    instructions and input, rendered as the same messages) of an OpenAI request body."""
     messages = body.get("messages")
+    if messages is None and "input" in body:
+        messages = _responses_messages(body)
     if isinstance(messages, list):
         rendered = []
         for message in messages:
@@ -40,6 +43,20 @@ def prompt_text(body: Mapping[str, Any]) -> str:
     if isinstance(prompt, list):  # token ids
         return ",".join(str(t) for t in prompt) + ","
     return ""
+
+
+def _responses_messages(body: Mapping[str, Any]) -> list[Any]:
+    """/v1/responses: `instructions` as the system message, then `input` (a string, or items of
+    which the messages count)."""
+    messages: list[Any] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    elif isinstance(given, list):
+        messages += [item for item in given if isinstance(item, dict) and "role" in item]
+    return messages
 
 
 def route_request(body: Mapping[str, Any], headers: Mapping[str, str]) -> RouteRequest:

@@ -1,7 +1,8 @@
 """Server-sent events as the router relays them: split into whole events, checked, re-emitted.
 
 An event is relayed as soon as its closing blank line arrives; nothing more is held back. The
-router's own errors are sent the OpenAI way: `data: {"error": {...}}` then `data: [DONE]`.
+router's own errors are sent the OpenAI way: `data: {"error": {...}}` then `data: [DONE]` (the
+openai client raises on that error event in a Responses stream too).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _FIELDS = (b"data:", b"event:", b"id:", b"retry:")
+_RESPONSES_LAST_EVENTS = {b"response.completed", b"response.incomplete", b"response.failed", b"error"}
 
 
 class MalformedStream(Exception):
@@ -52,8 +54,14 @@ def check_event(event: bytes) -> bool:
 
 
 def is_done(event: bytes) -> bool:
-    """Whether this is the terminating `data: [DONE]` event."""
-    return event.strip() == DONE_EVENT.strip()
+    """Whether this event ends its stream: `data: [DONE]` (completions, chat), or the Responses
+    API's last event (`event: response.completed` and the like), after which nothing follows."""
+    if event.strip() == DONE_EVENT.strip():
+        return True
+    for line in event.split(b"\n"):
+        if line.startswith(b"event:") and line[6:].strip() in _RESPONSES_LAST_EVENTS:
+            return True
+    return False
 
 
 def error_payload(message: str, err_type: str, code: str) -> dict[str, dict[str, str | None]]:
