@@ -165,3 +165,23 @@ def test_unauthenticated_metrics_name_replicas_by_index(stack: tuple[ServerProce
         if "replica" in sample.labels
     }
     assert labels == {"0"}  # the --replica position, as in the x-tailserve-replica header
+
+
+def test_responses_api_through_the_router_with_the_openai_client(
+    stack: tuple[ServerProcess, ServerProcess],
+) -> None:
+    replica, router = stack
+    client = openai.OpenAI(base_url=f"{router.base}/v1", api_key="unused", max_retries=0, timeout=60)
+    plain = client.responses.create(model=TINY, input="hello", max_output_tokens=4, temperature=0)
+    events = list(
+        client.responses.create(model=TINY, input="hello", max_output_tokens=4, temperature=0, stream=True)
+    )
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete", [
+        e.type for e in events
+    ]
+    assert events[-1].response.output_text == plain.output_text  # greedy: the same text either way
+    # The stream ended at its last event, not at a [DONE]: the replica is still in rotation.
+    assert httpx.get(f"{router.base}/ready").json()["healthy_replicas"] == 1
+    assert router_in_flight(router) == 0
+    for path in ("/version", "/openapi.json"):  # what else the server serves, forwarded as it is
+        assert httpx.get(f"{router.base}{path}").json() == httpx.get(f"{replica.base}{path}").json(), path

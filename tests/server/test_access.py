@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import httpx
 import pytest
@@ -72,14 +72,27 @@ def test_tokenize_and_detokenize_need_the_key_on_server_and_router(
 
 
 def _routes(app: Starlette) -> list[tuple[str, str]]:
-    """(path with its parameters filled in, one method) for every route the app declares."""
+    """(path with its parameters filled in, one method) for every route the app declares, those of
+    mounted apps and included routers too."""
     out = []
-    for route in app.routes:
-        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
-        assert isinstance(path, str), f"a route without a path: {route!r}"
+    for path, methods in _declared(app.routes, ""):
         chosen = sorted(m for m in (methods or {"GET"}) if m != "HEAD")[0]
         out.append((re.sub(r"\{[^}]*\}", "x", path), chosen))
     return out
+
+
+def _declared(routes: Sequence[object], prefix: str) -> Iterator[tuple[str, set[str] | None]]:
+    for route in routes:
+        path = getattr(route, "path", None)
+        included = getattr(route, "original_router", None)  # FastAPI's include_router entry
+        inner = getattr(route, "routes", None) or getattr(included, "routes", None)
+        if isinstance(path, str) and not inner:
+            yield prefix + path, getattr(route, "methods", None)
+        elif inner:
+            context = getattr(route, "include_context", None)
+            yield from _declared(inner, prefix + (path or getattr(context, "prefix", "") or ""))
+        else:
+            raise AssertionError(f"a route the test cannot read: {route!r}")
 
 
 def _markdown(table: tuple[RouteAccess, ...]) -> str:
@@ -94,6 +107,8 @@ def _markdown(table: tuple[RouteAccess, ...]) -> str:
 def _check_app(base: str, app: Starlette, table: tuple[RouteAccess, ...]) -> None:
     routes = _routes(app)
     assert len(routes) >= 6
+    for row in table:  # and the table (so the docs) names no route the app lacks
+        assert any(row.covers(path) for path, _ in routes), f"{row.path} is in the table but not served"
     for path, method in [*routes, ("/no-such-route", "GET")]:
         row = row_for(table, path)
         assert row is not None or path == "/no-such-route", (

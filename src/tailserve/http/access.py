@@ -24,11 +24,17 @@ class RouteAccess:
 
 
 _PROBE = "probes (Kubernetes, load balancers) carry no key; the answer holds no user data"
+_SGLANG = (
+    "SGLang's worker route (its gateway sends the worker's key, and SGLang's own key guards every route "
+    "but /health and /metrics)"
+)
 
-# What `tailserve serve` answers; the router forwards the keyed rows to its replicas.
+# What `tailserve serve` answers; the router forwards the keyed API rows to its replicas.
 SERVER_ACCESS: tuple[RouteAccess, ...] = (
     RouteAccess(
-        "/v1/", True, "the OpenAI API: generation spends the server's capacity, models name what it serves"
+        "/v1/",
+        True,
+        "the OpenAI API (completions, chat, responses, models): generation spends the server's capacity",
     ),
     RouteAccess(
         "/tokenize",
@@ -42,12 +48,32 @@ SERVER_ACCESS: tuple[RouteAccess, ...] = (
     RouteAccess(
         "/metrics",
         False,
-        "Prometheus scrapers rarely carry a key (as vLLM); aggregate counts only, no prompt, key or URL",
+        "Prometheus scrapers rarely carry a key (vLLM and SGLang leave it open too); aggregate counts "
+        "only, no prompt, key or URL",
+    ),
+    RouteAccess("/version", False, "the version string only, open as in vLLM"),
+    RouteAccess(
+        "/openapi.json",
+        False,
+        "the API's schema, open as in vLLM: no user data (--disable-fastapi-docs removes the route)",
+    ),
+    RouteAccess("/server_info", True, f"{_SGLANG}; shows the deployment's limits and model path"),
+    RouteAccess("/get_server_info", True, "as /server_info (SGLang's older name)"),
+    RouteAccess("/model_info", True, f"{_SGLANG}; shows the model path"),
+    RouteAccess("/get_model_info", True, "as /model_info (SGLang's older name)"),
+    RouteAccess("/get_load", True, f"{_SGLANG}; /metrics is the open view of the same load"),
+    RouteAccess(
+        "/flush_cache",
+        True,
+        "it changes state: emptying the prefix cache costs every later request its cached prefix",
     ),
 )
 
+# The router serves the API rows itself (forwarded to a replica), its own probes and /metrics, and the
+# operator's view; SGLang's worker routes belong to a worker, not to a router in front of workers.
+_ROUTED = ("/v1/", "/tokenize", "/detokenize", "/health", "/ready", "/metrics", "/version", "/openapi.json")
 ROUTER_ACCESS: tuple[RouteAccess, ...] = (
-    *SERVER_ACCESS,
+    *(row for row in SERVER_ACCESS if row.path in _ROUTED),
     RouteAccess("/router/", True, "the operator's view: replica URLs and their health"),
 )
 

@@ -85,8 +85,9 @@ async def completions(request: Request) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
 
 
-async def models(request: Request) -> Response:
-    """GET /v1/models and /v1/models/{id}, answered by a healthy replica."""
+async def any_replica_get(request: Request) -> Response:
+    """GET /v1/models, /v1/models/{id}, /version and /openapi.json, answered by a healthy replica
+    (the schema is the server's: it also lists the routes only a server has)."""
     return await _forwarder(request).to_any("GET", request.url.path, b"", request.headers)
 
 
@@ -202,8 +203,10 @@ def create_app(config: RouterConfig) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/responses", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", models, methods=["GET"]),
+        Route("/v1/models", any_replica_get, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", any_replica_get, methods=["GET"]),
+        Route("/version", any_replica_get, methods=["GET"]),
+        Route("/openapi.json", any_replica_get, methods=["GET"]),
         Route("/tokenize", tokenizer, methods=["POST"]),
         Route("/detokenize", tokenizer, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
