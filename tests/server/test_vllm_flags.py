@@ -162,12 +162,15 @@ def test_chat_template_and_generation_config(tmp_path: Path) -> None:
 
 
 def test_a_chat_template_replaces_the_models(smol: LoadedModel) -> None:
-    """What --chat-template does to the served model's tokenizer (a copy of the session's)."""
-    tokenizer = Tokenizer(copy.deepcopy(smol.tokenizer.hf), smol.tokenizer.eos_token_ids)
+    """What --chat-template does to the served model's tokenizer (a copy of the session's: shallow,
+    since a tokenizer that has rendered a chat holds a compiled jinja template, which deepcopy cannot
+    copy; setting the template rebinds the copy's own attribute)."""
+    tokenizer = Tokenizer(copy.copy(smol.tokenizer.hf), smol.tokenizer.eos_token_ids)
     messages = [{"role": "user", "content": "hi"}]
     assert "<user>hi<assistant>" not in tokenizer.decode(tokenizer.apply_chat_template(messages))
     tokenizer.set_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
     assert tokenizer.decode(tokenizer.apply_chat_template(messages)) == "<user>hi<assistant>"
+    assert "<user>hi<assistant>" not in smol.tokenizer.decode(smol.tokenizer.apply_chat_template(messages))
 
 
 def test_tls_flags_are_checked_before_anything_loads(tmp_path: Path) -> None:
