@@ -965,18 +965,27 @@ typedef struct {
     float scale;
 } attention_job;
 
-/* A thread's scratch for attention, grown as needed and kept (one set per pool thread). */
-static __thread float *scratch = NULL;
-static __thread size_t scratch_floats = 0;
+/* A grow-only buffer, kept between calls (a thread's own when declared __thread): a fresh
+ * allocation of a few hundred KB per call goes to mmap, and its page faults are paid every call. */
+typedef struct {
+    void *data;
+    size_t bytes;
+} scratch_buf;
 
-static float *thread_scratch(size_t floats) {
-    if (floats > scratch_floats) {
-        free(scratch);
-        scratch = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
-        scratch_floats = scratch == NULL ? 0 : floats;
+/* At least `bytes` of the buffer, 64-byte aligned; NULL: out of memory. */
+static void *scratch_grow(scratch_buf *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->data);
+        s->data = aligned_alloc(64, ((bytes + 63) / 64) * 64);
+        s->bytes = s->data == NULL ? 0 : bytes;
     }
-    return scratch;
+    return s->data;
 }
+
+/* A thread's scratch for attention (one per pool thread). */
+static __thread scratch_buf attention_scratch;
+
+static float *thread_scratch(size_t floats) { return (float *)scratch_grow(&attention_scratch, floats * sizeof(float)); }
 
 /* One chunk of ts_paged_decode_attention: one sequence. */
 static void attention_chunk(const void *arg, int64_t s) {
@@ -1283,22 +1292,6 @@ static void prompt_tile_chunk(const void *arg, int64_t chunk) {
 }
 #endif
 
-/* A thread's grow-only buffer, kept between calls: a fresh allocation of a few hundred KB per call
- * goes to mmap, and its page faults are paid on every call. NULL: out of memory. */
-typedef struct {
-    bf16 *data;
-    size_t elems;
-} bf16_scratch;
-
-static bf16 *scratch_bf16(bf16_scratch *s, size_t elems) {
-    if (elems > s->elems) {
-        free(s->data);
-        s->data = (bf16 *)aligned_alloc(64, ((elems * sizeof(bf16) + 63) / 64) * 64);
-        s->elems = s->data == NULL ? 0 : elems;
-    }
-    return s->data;
-}
-
 int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                               const int64_t *block_table, int64_t rows, int64_t start_pos, bf16 *out, int64_t heads,
                               int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
@@ -1306,8 +1299,8 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
     if (!amx_ready || (dim != 32 && dim != 64) || block_size % 16 != 0 || rows < 1 || heads % kv_heads != 0) return 0;
     const int64_t ctx = start_pos + rows, key_blocks = (ctx + PA_KEYS - 1) / PA_KEYS;
     const int64_t row_tiles = (rows * (heads / kv_heads) + 15) / 16;
-    static __thread bf16_scratch values_scratch; /* the caller's; its chunks write disjoint parts */
-    bf16 *vt = scratch_bf16(&values_scratch, (size_t)(kv_heads * key_blocks * dim * PA_KEYS));
+    static __thread scratch_buf values_scratch; /* the caller's; its chunks write disjoint parts */
+    bf16 *vt = (bf16 *)scratch_grow(&values_scratch, (size_t)(kv_heads * key_blocks * dim * PA_KEYS) * sizeof(bf16));
     if (vt == NULL) abort();
     const prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
                             block_size, ctx, key_blocks, row_tiles, 8, vt, out, scale * 1.44269504088896341f};
