@@ -149,6 +149,9 @@ class SchedulerConfig:
     # with an equal target, so the wait admission promised holds; 0: Smith's rule until a prompt
     # is past saving (the least mean TTFT, a longer tail; docs/ENGINE.md).
     urgent_slack: float = 1.0
+    # CPU, 2+ threads: while streams decode, prompt chunks run on a thread of their own with half the
+    # threads, beside the decode steps, instead of inside them (engine/prefill_lane.py).
+    prefill_lane: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from tailserve.config import EngineConfig
-from tailserve.engine import LLM, SamplingParams
+from tailserve.engine import LLM, RequestOutput, SamplingParams
 from tailserve.weights.loader import LoadedModel
 
 QUESTIONS = [
@@ -149,3 +150,70 @@ def test_each_engine_steps_on_its_own_thread_count() -> None:
             assert torch.get_num_threads() == n
     finally:
         torch.set_num_threads(before)
+
+
+def _lane_llm(smol: LoadedModel, engine_config: Callable[..., EngineConfig], **scheduler: object) -> LLM:
+    """An engine on 2 threads, so prompts that arrive while others decode go to the prefill lane (a
+    thread each)."""
+    config = engine_config(**scheduler)
+    llm = LLM(
+        config=dataclasses.replace(config, model=dataclasses.replace(config.model, num_threads=2)),
+        loaded=smol,
+    )
+    assert llm.engine.lane is not None
+    return llm
+
+
+def _collect(outs: dict[str, list[int]], step: list[RequestOutput]) -> None:
+    for o in step:
+        outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+
+def test_prefill_lane_same_tokens(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    """Prompts arriving one by one while earlier ones decode are computed on the prefill lane beside
+    the decode steps, in chunks, and every token is still transformers'."""
+    llm = _lane_llm(smol, engine_config, max_num_batched_tokens=32, max_num_seqs=16)
+    engine, outs, lane_steps = llm.engine, dict[str, list[int]](), 0
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+        for _ in range(3):
+            _collect(outs, engine.step())
+            lane_steps += bool(engine.scheduler.in_flight)
+    while engine.has_unfinished():
+        _collect(outs, engine.step())
+    assert lane_steps >= len(prompts) - 1  # every prompt after the first met a decoding stream
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
+    _assert_pool_free(llm)
+
+
+def test_abort_of_a_prompt_on_the_prefill_lane(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    """Aborting a request whose chunk is computing on the lane waits for the chunk (its KV blocks are
+    being written) and frees them; the chunk's other prompt and the decoding stream go on unchanged."""
+    llm = _lane_llm(smol, engine_config)
+    engine, outs = llm.engine, dict[str, list[int]]()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    engine.add_request("a", prompts[0], params)
+    while "a" not in outs:
+        _collect(outs, engine.step())
+    engine.add_request("b", prompts[1], params)
+    engine.add_request("c", prompts[2], params)
+    _collect(outs, engine.step())
+    assert engine.scheduler.in_flight == {"b", "c"}  # one lane chunk for both prompts
+    out = engine.abort("b")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert not engine.scheduler.in_flight and engine.has_unfinished()
+    while engine.has_unfinished():
+        _collect(outs, engine.step())
+    assert outs["a"] == reference[0] and outs["c"] == reference[2]
+    _assert_pool_free(llm)

@@ -65,11 +65,26 @@ def test_step_histograms_count_each_step_once_under_its_kind() -> None:
     assert cumulative[0.0015] == 0 and cumulative[0.002] == 1 and cumulative[0.003] == 2
     tokens = dict(zip(STEP_KINDS, snap.tokens, strict=True))
     assert tokens["decode_only"].sum == 8 and tokens["mixed"].sum == 260
-    assert snap.busy_s_total == pytest.approx(0.055)
+    # All three started at 0, so they overlap: busy time counts each moment once.
+    assert snap.busy_s_total == pytest.approx(0.05)
     later = stats.snapshot(graph_steps=5, eager_steps=1)
     since = later.minus(snap)
     assert since.graph_steps == 3 and since.eager_steps == 0
     assert all(h.count == 0 for h in since.duration_s) and since.busy_s_total == 0.0
+
+
+def test_busy_time_counts_a_lane_chunk_beside_decode_steps_once() -> None:
+    """A prefill-lane chunk runs beside decode steps and is recorded after them: the busy time is
+    the union of the steps (what a dashboard's busy ratio means), its own histogram its whole length."""
+    stats = StepStats(now=0.0)
+    stats.record("decode_only", 2, 0.0, 0.5)
+    stats.record("decode_only", 2, 0.5, 1.0)
+    stats.record("prefill_only", 256, 0.25, 1.5)  # the lane's chunk; the loop waited for its end
+    snap = stats.snapshot(graph_steps=0, eager_steps=3)
+    assert snap.busy_s_total == pytest.approx(1.5)
+    assert snap.busy.ratio(1.5) == pytest.approx(1.0)
+    by_kind = dict(zip(STEP_KINDS, snap.duration_s, strict=True))
+    assert by_kind["prefill_only"].sum == pytest.approx(1.25)
 
 
 def test_an_engine_records_every_step_it_runs_by_kind() -> None:

@@ -21,6 +21,7 @@ from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.chunks import record_prompt_logprobs, step_chunks
 from tailserve.engine.forks import ForkWaitlist
 from tailserve.engine.outputs import OutputProcessor
+from tailserve.engine.prefill_lane import LaneRun, PrefillLane
 from tailserve.engine.request import (
     Request,
     RequestOutput,
@@ -38,6 +39,7 @@ from tailserve.errors import InvalidRequestError
 from tailserve.executor import warmup
 from tailserve.executor.build import use_device
 from tailserve.executor.builder import build_runner
+from tailserve.executor.runner import ModelRunner, SeqChunk, StepResult
 from tailserve.quality.gate import choose_weight_format
 from tailserve.weights.loader import LoadedModel
 from tailserve.weights.tokenizer import IncrementalDetokenizer
@@ -92,6 +94,9 @@ class LLMEngine:
         self.forks = ForkWaitlist(self.scheduler)  # siblings (n > 1) waiting to share a prompt
         self._rng = torch.Generator().manual_seed(config.model.seed)
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
+        self.lane = make_lane(self.runner) if config.scheduler.prefill_lane else None
+        self.scheduler.lane = self.lane is not None
+        self._lane_outputs: list[RequestOutput] = []  # from a lane chunk taken outside `step`
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
@@ -129,6 +134,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; None if it is unknown or done."""
+        if request_id in self.scheduler.in_flight:  # its KV blocks are being written: let the chunk end
+            self._lane_outputs += self._take_lane()
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -140,7 +147,7 @@ class LLMEngine:
         return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._lane_outputs)
 
     def flush_prefix_cache(self, force: bool = False) -> bool:
         """Empty the prefix cache; refused (False) while requests are queued or running, unless forced
@@ -151,16 +158,52 @@ class LLMEngine:
 
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and the model once; return an output per request that advanced."""
+        """Run one scheduling step and the model once; return an output per request that advanced
+        (and those of a prefill-lane chunk that ended since the last step)."""
+        outputs, self._lane_outputs = self._lane_outputs, []
+        lane = self.lane
+        if lane is not None and lane.done():
+            outputs += self._take_lane()
         begin = time.monotonic()
-        plan = self.scheduler.step_plan(begin)
+        lane_busy = lane is not None and lane.busy
+        lane_free = lane is not None and not lane_busy and any(r.is_decoding for r in self.scheduler.running)
+        plan = self.scheduler.step_plan(begin, prefill=not lane_busy, lane=lane_free)
+        threads = None
+        if lane is not None and lane_free and 0 < plan.num_decodes < len(plan.scheduled):
+            plan, prompts = plan.split()
+            self.scheduler.in_flight.update(r.request_id for r, _ in prompts.scheduled)
+            lane.submit(prompts, step_chunks(prompts, self.tokenizer.eos_token_ids, self.grammars))
+        if lane is not None and lane.busy:
+            threads = max(1, (self.runner.num_threads or 1) - lane.threads)  # the decodes' share
         self.last_plan = plan
         if not plan.scheduled:
-            return []
+            if lane is not None and lane.busy:  # nothing to decode: the lane's chunk is all there is
+                outputs += self._take_lane()
+            return outputs
         chunks = step_chunks(plan, self.tokenizer.eos_token_ids, self.grammars)
         start = time.monotonic()
-        result = self.runner.execute(chunks)
+        result = self.runner.execute(chunks, threads)
         now = time.monotonic()
+        outputs += self._after_step(plan, chunks, result, start, now)
+        kind = step_kind(plan.num_decodes, len(plan.scheduled))
+        self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
+        if self.runner.tp is not None:
+            self.step_stats.record_tensor_parallel(kind, self.runner.last_comm_s, self.runner.last_compute_s)
+        return outputs
+
+    def _take_lane(self) -> list[RequestOutput]:
+        """The prefill lane's chunk, waited for: its tokens computed and its first tokens out."""
+        assert self.lane is not None
+        run: LaneRun = self.lane.take()
+        self.scheduler.in_flight.difference_update(r.request_id for r, _ in run.plan.scheduled)
+        outputs = self._after_step(run.plan, run.chunks, run.result, run.start, run.end)
+        self.step_stats.record(step_kind(0, len(run.plan.scheduled)), run.plan.num_tokens, run.start, run.end)
+        return outputs
+
+    def _after_step(
+        self, plan: StepPlan, chunks: list[SeqChunk], result: StepResult, start: float, now: float
+    ) -> list[RequestOutput]:
+        """A run plan's bookkeeping (step timer, computed tokens, siblings) and its sampled tokens out."""
         record_prompt_logprobs(plan.scheduled, chunks, result.prompt_scores)
         self.scheduler.timer.record(plan, now - start)
         self.scheduler.postprocess(plan)
@@ -179,10 +222,6 @@ class LLMEngine:
                 outputs.append(self.outputs.output(req, [token], finished=False))
             else:
                 outputs.append(self._finish(req, reason, now, [token]))
-        kind = step_kind(plan.num_decodes, len(plan.scheduled))
-        self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
-        if self.runner.tp is not None:
-            self.step_stats.record_tensor_parallel(kind, self.runner.last_comm_s, self.runner.last_compute_s)
         return outputs
 
     def _finish(self, req: Request, reason: str, now: float, new_ids: list[int]) -> RequestOutput:
@@ -214,6 +253,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers and the KV-event publisher, if any (idempotent); the engine
         cannot generate afterwards."""
+        if self.lane is not None:
+            self.lane.close()
         self.runner.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -223,3 +264,12 @@ class LLMEngine:
         call it on the thread that runs the steps."""
         budget = self.config.scheduler.max_num_batched_tokens
         return warmup.warm_runner(self.runner, budget, self.primitive_cache)
+
+
+def make_lane(runner: ModelRunner) -> PrefillLane | None:
+    """A prefill lane with half the runner's CPU threads, where it has 2 or more and runs alone (no
+    tensor parallelism, no CUDA graphs); None elsewhere."""
+    threads = runner.num_threads or 1
+    if runner.device.type != "cpu" or runner.tp is not None or threads < 2:
+        return None
+    return PrefillLane(runner, threads // 2)

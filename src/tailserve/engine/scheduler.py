@@ -48,6 +48,12 @@ class StepPlan:
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decodes
 
+    def split(self) -> tuple[StepPlan, StepPlan]:
+        """(the decodes, the prompt chunks) as two plans, to run side by side (the prefill lane)."""
+        d, cap = self.num_decodes, self.prefill_cap
+        decodes = StepPlan(self.scheduled[:d], self.block_tables[:d], self.preempted, d, cap)
+        return decodes, StepPlan(self.scheduled[d:], self.block_tables[d:], [], 0, cap)
+
     @property
     def prompt_pairs(self) -> int:
         """Query-key pairs of the step's prompt chunks (`prompt_pairs`); read before `postprocess`,
@@ -68,6 +74,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._steps = 0  # steps planned with work past saving waiting: whose turn a one-chunk step is
+        # Requests whose prompt chunk is computing on another thread (the engine's prefill lane):
+        # they get no other work and are never preempted until the engine's `postprocess` of it.
+        self.in_flight: set[str] = set()
+        self.lane = False  # the engine has a prefill lane: prompt chunks never share a decode step
 
     def add(self, request: Request) -> None:
         # A request scoring its prompt computes it all (see _admit): it expects no hit.
@@ -84,10 +94,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def step_plan(self, now: float) -> StepPlan:
-        """Decide this step's batch at time `now` (the caller's clock); allocates the blocks it needs."""
+    def step_plan(self, now: float, prefill: bool = True, lane: bool = False) -> StepPlan:
+        """Decide this step's batch at time `now` (the caller's clock); allocates the blocks it needs.
+        `prefill=False`: decodes only (the prefill lane is busy). `lane`: the prompt chunks will run
+        beside the decodes, not in their step, so the decodes' TPOT does not cap them."""
         plan = StepPlan()
-        scheduled: set[str] = set()
+        scheduled: set[str] = set(self.in_flight)
         budget = self.config.max_num_batched_tokens
         for req in [r for r in self.running if r.is_decoding]:
             if budget == 0:
@@ -99,9 +111,16 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
-        plan.prefill_cap = self.policy.prefill_cap([r for r, _ in plan.scheduled], budget, now)
+        if not prefill:
+            plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
+            return plan
+        if lane:
+            budget = self.config.max_num_batched_tokens
+        protect = [] if lane else [r for r, _ in plan.scheduled]
+        plan.prefill_cap = self.policy.prefill_cap(protect, budget, now)
         left = min(budget, plan.prefill_cap)
-        candidates = [r for r in self.running if not r.is_decoding] + list(self.waiting)
+        candidates = [r for r in self.running if not r.is_decoding and r.request_id not in self.in_flight]
+        candidates += list(self.waiting)
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
@@ -280,7 +299,7 @@ class Scheduler:
         return QueueSnapshot(
             pending=pending,
             num_running=len(self.running),
-            prefill_cap=self.policy.prefill_cap(decoding, budget, now),
+            prefill_cap=self.policy.prefill_cap([] if self.lane else decoding, budget, now),
             running_prefills=running_prefills,
             slots_free_steps=tuple(sorted(self._steps_left(r) for r in self.running)),
             max_num_seqs=self.config.max_num_seqs,

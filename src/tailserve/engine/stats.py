@@ -88,7 +88,7 @@ class BusySnapshot:
         first = max(math.floor(now) - (n - 1), self.newest_second - (n - 1))
         busy = sum(self.bins[s % n] for s in range(first, self.newest_second + 1))
         span = now - max(self.started, float(math.floor(now) - (n - 1)))
-        # Steps never overlap (one engine thread), so busy <= span up to float rounding.
+        # Busy moments are counted once (StepStats.record), so busy <= span up to float rounding.
         return min(busy / span, 1.0) if span > 0 else 0.0
 
 
@@ -161,14 +161,21 @@ class StepStats:
         self._tokens = {kind: _Buckets(TOKEN_BUCKETS) for kind in STEP_KINDS}
         self._busy = BusyWindow(now)
         self._busy_s_total = 0.0
+        self._busy_until = now  # the latest end recorded: busy time counts each moment once
         self._allreduce = {kind: _Buckets(LATENCY_BUCKETS_S) for kind in STEP_KINDS}
         self._compute = {kind: _Buckets(LATENCY_BUCKETS_S) for kind in STEP_KINDS}
 
     def record(self, kind: str, num_tokens: int, start: float, end: float) -> None:
+        """A step that ran from start to end. A prefill-lane chunk overlaps the decode steps beside it
+        (recorded before it): busy time is the part after the latest end recorded, so a moment with
+        both running counts once."""
         self._duration[kind].observe(end - start)
         self._tokens[kind].observe(num_tokens)
-        self._busy_s_total += end - start
-        self._busy.add(start, end)
+        start = max(start, self._busy_until)
+        if end > start:
+            self._busy_s_total += end - start
+            self._busy.add(start, end)
+            self._busy_until = end
 
     def record_tensor_parallel(self, kind: str, allreduce_s: float, compute_s: float) -> None:
         """A tensor-parallel step's forward split into time in collectives and the rest (rank 0)."""

@@ -148,9 +148,11 @@ class ModelRunner:
         self.use_decode_graphs = True
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> StepResult:
+    def execute(self, chunks: list[SeqChunk], threads: int | None = None) -> StepResult:
         """Run one step; return the sampled token per chunk (None where the chunk samples nothing),
-        its logprobs and the prompt scores where asked."""
+        its logprobs and the prompt scores where asked. `threads`: this step's CPU thread count on
+        the calling thread (None: the runner's); steps may run on two threads at once, each with its
+        own count, when their chunks write different KV blocks (the engine's prefill lane)."""
         if not chunks:
             return no_result(0)
         graphs = self.decode_graphs
@@ -158,14 +160,14 @@ class ModelRunner:
             self.num_graph_steps += 1
             return graphs.execute(chunks)
         self.num_eager_steps += 1
-        return self.execute_eager(chunks)
+        return self.execute_eager(chunks, threads)
 
     @torch.inference_mode()
-    def execute_eager(self, chunks: list[SeqChunk]) -> StepResult:
+    def execute_eager(self, chunks: list[SeqChunk], threads: int | None = None) -> StepResult:
         """`execute` without CUDA graphs: one eager forward over the flattened batch."""
         if not chunks:
             return no_result(0)
-        start = self._start_step("step", chunks)
+        start = self._start_step("step", chunks, threads)
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         scored = _scored_rows(chunks)  # after the sampled rows, only for chunks that ask
         logits_indices = torch.tensor(logits_rows + scored, dtype=torch.long, device=self.device)
@@ -190,11 +192,12 @@ class ModelRunner:
         self._end_step(start)
         return logits
 
-    def _start_step(self, kind: str, chunks: list[SeqChunk]) -> float:
+    def _start_step(self, kind: str, chunks: list[SeqChunk], threads: int | None = None) -> float:
         """Under tensor parallelism rank 0 sends the plan first: the workers unpack it while rank 0
         builds its own batch tensors (the one overlap of communication with work on this path)."""
-        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        want = threads or self.num_threads
+        if want is not None and torch.get_num_threads() != want:
+            torch.set_num_threads(want)  # the calling thread's count (OpenMP's is per thread)
         tp = self.tp
         if tp is not None:
             if tp.is_driver:

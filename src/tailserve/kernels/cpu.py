@@ -31,7 +31,7 @@ from tailserve.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 4
+ABI_VERSION = 5
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 # Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
@@ -171,8 +171,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def sync_threads() -> int:
-    """Give the kernels' thread pool torch's intra-op thread count (`--num-threads`), so one knob sets
-    both; a no-op once they agree. Returns the kernels' count (1 without the kernels)."""
+    """Give the kernels called from this thread torch's intra-op thread count of this thread
+    (`--num-threads`; both are per thread), so one knob sets both; a no-op once they agree. Returns
+    the kernels' count (1 without the kernels)."""
     lib = load()
     if lib is None:
         return 1

@@ -34,7 +34,7 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 4; }
+int ts_abi_version(void) { return 5; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
@@ -47,9 +47,12 @@ int ts_abi_version(void) { return 4; }
  * caller's thread. */
 typedef void (*chunk_fn)(const void *job, int64_t chunk);
 
-static int pool_threads = 1; /* threads a kernel uses, the caller's included (ts_set_threads) */
+/* Threads a kernel uses, the caller's included (ts_set_threads): the calling thread's own, so two
+ * threads can run kernels side by side with a share of the cores each (the engine's prefill lane). */
+static __thread int pool_threads = 1;
 
-/* Threads the kernels use from now on (1: the caller's alone); returns the count in effect. */
+/* Threads the kernels called from this thread use from now on (1: the caller's alone); returns the
+ * count in effect. */
 int ts_set_threads(int n) {
 #if defined(_OPENMP)
     pool_threads = n < 1 ? 1 : n > 256 ? 256 : n;

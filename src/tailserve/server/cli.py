@@ -193,6 +193,13 @@ def register(subparsers: Any) -> None:
         help="slo: share of the step budget prefill keeps beside decodes (0: one block)",
     )
     s.add_argument(
+        "--prefill-lane",
+        action=argparse.BooleanOptionalAction,
+        default=_SCHED.prefill_lane,
+        help="CPU, 2+ threads: while streams decode, prompt chunks run on half the threads beside the "
+        "decode steps instead of inside them (the steady-tail lane; --no-prefill-lane: one step for all)",
+    )
+    s.add_argument(
         "--past-saving-share",
         type=float,
         default=_SCHED.past_saving_share,
