@@ -217,3 +217,30 @@ def test_abort_of_a_prompt_on_the_prefill_lane(
         _collect(outs, engine.step())
     assert outs["a"] == reference[0] and outs["c"] == reference[2]
     _assert_pool_free(llm)
+
+
+class _FailingRunner:
+    def execute(self, chunks: object, threads: int | None = None) -> None:
+        raise RuntimeError("the lane's chunk failed")
+
+
+def test_a_failed_lane_chunk_fails_a_step_and_holds_no_block(
+    smol: LoadedModel, engine_config: Callable[..., EngineConfig], prompts: list[list[int]]
+) -> None:
+    """An error on the lane's thread surfaces from a step on the loop's thread (where the server
+    aborts everything), and leaves nothing in flight: every request aborts and frees its blocks."""
+    llm = _lane_llm(smol, engine_config)
+    engine, outs = llm.engine, dict[str, list[int]]()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    engine.add_request("a", prompts[0], params)
+    while "a" not in outs:
+        _collect(outs, engine.step())
+    assert engine.lane is not None
+    engine.lane.runner = _FailingRunner()  # type: ignore[assignment]
+    engine.add_request("b", prompts[1], params)
+    with pytest.raises(RuntimeError, match="lane's chunk failed"):
+        for _ in range(MAX_TOKENS):
+            engine.step()
+    assert not engine.scheduler.in_flight
+    assert {o.request_id for o in engine.abort_all()} == {"a", "b"}
+    _assert_pool_free(llm)

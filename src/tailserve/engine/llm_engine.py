@@ -184,7 +184,7 @@ class LLMEngine:
         start = time.monotonic()
         result = self.runner.execute(chunks, threads)
         now = time.monotonic()
-        outputs += self._after_step(plan, chunks, result, start, now)
+        outputs += self._after_step(plan, chunks, result, now - start, now)
         kind = step_kind(plan.num_decodes, len(plan.scheduled))
         self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
         if self.runner.tp is not None:
@@ -194,18 +194,22 @@ class LLMEngine:
     def _take_lane(self) -> list[RequestOutput]:
         """The prefill lane's chunk, waited for: its tokens computed and its first tokens out."""
         assert self.lane is not None
-        run: LaneRun = self.lane.take()
-        self.scheduler.in_flight.difference_update(r.request_id for r, _ in run.plan.scheduled)
-        outputs = self._after_step(run.plan, run.chunks, run.result, run.start, run.end)
+        try:
+            run: LaneRun = self.lane.take()
+        finally:  # one chunk at a time: its requests are all in flight (an error ends them all the same)
+            self.scheduler.in_flight.clear()
+        # Its tokens go out now, not when the chunk ended: what a client sees.
+        outputs = self._after_step(run.plan, run.chunks, run.result, run.end - run.start, time.monotonic())
         self.step_stats.record(step_kind(0, len(run.plan.scheduled)), run.plan.num_tokens, run.start, run.end)
         return outputs
 
     def _after_step(
-        self, plan: StepPlan, chunks: list[SeqChunk], result: StepResult, start: float, now: float
+        self, plan: StepPlan, chunks: list[SeqChunk], result: StepResult, seconds: float, now: float
     ) -> list[RequestOutput]:
-        """A run plan's bookkeeping (step timer, computed tokens, siblings) and its sampled tokens out."""
+        """A run plan's bookkeeping (step timer, computed tokens, siblings) and its sampled tokens out
+        at `now`; `seconds`: how long the runner took."""
         record_prompt_logprobs(plan.scheduled, chunks, result.prompt_scores)
-        self.scheduler.timer.record(plan, now - start)
+        self.scheduler.timer.record(plan, seconds)
         self.scheduler.postprocess(plan)
         self.forks.start(plan.scheduled, now)
         outputs: list[RequestOutput] = []
@@ -268,8 +272,14 @@ class LLMEngine:
 
 def make_lane(runner: ModelRunner) -> PrefillLane | None:
     """A prefill lane with half the runner's CPU threads, where it has 2 or more and runs alone (no
-    tensor parallelism, no CUDA graphs); None elsewhere."""
+    tensor parallelism), and its prompt rows run no oneDNN kernel; None elsewhere.
+
+    oneDNN's prompt-row kernels (the dense bf16 copy, used where there is no AMX) are created per
+    thread count before serving (executor.warmup) and round by it: on the lane's thread count they
+    would compile while serving, and a prompt's bits would depend on which thread ran it."""
     threads = runner.num_threads or 1
     if runner.device.type != "cpu" or runner.tp is not None or threads < 2:
+        return None
+    if any(linear.onednn is not None for linear in runner.model.prompt_linears()):
         return None
     return PrefillLane(runner, threads // 2)
