@@ -1,28 +1,45 @@
 """tailserve on Ray Serve: `serve run tailserve.integrations.ray_serve:build_app model=default
-num_replicas=2` runs N replicas, each the whole OpenAI server (routes, SSE, errors, admission's 429)
-around its own engine, behind Ray Serve's HTTP proxy and its default request router.
+num_replicas=2` runs N engine replicas (each the whole OpenAI server around its own engine) behind a
+light ingress deployment that relays each HTTP request to one of them through a Ray handle.
 
-Ray's app-builder convention: `build_app(args)` takes `tailserve serve`'s flags as `key=value` (dashes
-or underscores) plus `num_replicas`, `num_cpus`, `num_gpus` per replica. Needs `ray[serve]` (pinned
-2.60.0 in the dev extras); nothing else in tailserve imports Ray.
+The ingress exists because only a caller holding the request can fail it well: a request no replica
+has started is retried elsewhere, a stream whose replica dies ends with an error event and [DONE],
+and the Ray request router sees the prompt (placement reads `HttpCall.route`). Ray's app-builder
+convention: `build_app(args)` takes `tailserve serve`'s flags as `key=value` plus DEPLOYMENT_KEYS.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
 
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import Response
 
 from tailserve.config import EngineConfig
 from tailserve.engine import AsyncEngine
+from tailserve.http.sse import SSEResponse
+from tailserve.integrations.asgi_call import HttpCall, ResponseStart, call_app
+from tailserve.router.proxy import REPLICA_HEADER, error_response, forwardable
+from tailserve.router.request_info import route_request
+from tailserve.router.sse import error_events
 from tailserve.server import cli as server_cli
 from tailserve.server.app import create_app
 from tailserve.server.config import ServerConfig
 
-DEPLOYMENT_KEYS = ("num_replicas", "num_cpus", "num_gpus")  # Ray's, not `tailserve serve` flags
+# Ray's, not `tailserve serve` flags: engine replicas and their resources, the ingress replicas.
+DEPLOYMENT_KEYS = ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_requests", "ingress_replicas")
+ATTEMPTS = 3  # replicas tried for a request that none has started (one gone is the usual case)
+REPLICA_GONE = (RayActorError, ActorUnavailableError)
+Replies = DeploymentResponseGenerator[ResponseStart | bytes]  # what `EngineReplica.forward` yields
 
 
 def serve_configs(args: Mapping[str, object]) -> tuple[EngineConfig, ServerConfig]:
@@ -41,29 +58,157 @@ def serve_configs(args: Mapping[str, object]) -> tuple[EngineConfig, ServerConfi
     return server_cli.configs_from_args(parser.parse_args(argv))
 
 
-def build_app(args: Mapping[str, object]) -> Application:
-    """The Ray Serve application: `num_replicas` copies of one deployment, each building its engine
-    and server inside its own replica (the model loads there, not in the driver). Host and port are
-    Ray's proxy's (`serve start --http-host/--http-port`); --host/--port here are ignored."""
-    flags = {k: v for k, v in args.items() if k.replace("-", "_") not in DEPLOYMENT_KEYS}
-    engine_config, server_config = serve_configs(flags)
-    options = {k.replace("-", "_"): v for k, v in args.items() if k.replace("-", "_") in DEPLOYMENT_KEYS}
+@serve.ingress()
+class EngineReplica:
+    """One engine and its OpenAI server. Ray runs the app's lifespan (engine start, warm-up, drain
+    when the replica stops); requests arrive as `forward` calls from the ingress."""
 
-    def server() -> FastAPI:
-        """Runs in the replica: its engine and the same app `tailserve serve` runs (lifespan included:
-        Ray Serve starts the engine and warms it up, and drains it when the replica stops)."""
-        return create_app(AsyncEngine(engine_config), server_config)
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self._engine = AsyncEngine(engine_config)
+        self._app = create_app(self._engine, server_config)
+        self._replica = serve.get_replica_context().replica_id.unique_id
 
-    @serve.deployment(
-        name="tailserve",
-        num_replicas=int(str(options.get("num_replicas", 1))),
-        ray_actor_options={
-            "num_cpus": float(str(options.get("num_cpus", 1))),
-            "num_gpus": float(str(options.get("num_gpus", 0))),
-        },
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._app
+
+    async def forward(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
+        """The app's response to `call`, streamed; its start names this replica (REPLICA_HEADER)."""
+        async for item in call_app(self._app, call):
+            if isinstance(item, ResponseStart):
+                item = ResponseStart(item.status, item.headers + ((REPLICA_HEADER, self._replica),))
+            yield item
+
+
+async def http_call(request: Request) -> HttpCall:
+    """The request as plain data, with what placement reads of an OpenAI JSON body."""
+    body = await request.body()
+    route = None
+    if request.method == "POST" and body[:1] == b"{":
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # the replica answers the 400
+        if isinstance(parsed, dict):
+            route = route_request(parsed, request.headers)
+    scope = request.scope
+    client = scope.get("client")
+    return HttpCall(
+        method=request.method,
+        path=scope["path"],
+        query_string=scope.get("query_string", b""),
+        headers=tuple((bytes(k), bytes(v)) for k, v in scope["headers"]),
+        body=body,
+        root_path=scope.get("root_path", ""),
+        client=(str(client[0]), int(client[1])) if client else None,
+        route=route,
     )
-    @serve.ingress(server)
-    class TailserveReplica:
-        """One engine and its OpenAI server."""
 
-    return TailserveReplica.bind()  # type: ignore[attr-defined, no-any-return]
+
+@dataclass(frozen=True)
+class Head:
+    """What a replica sent before the ingress answers the client: the start and either the whole
+    body (`complete`) or, for a stream, its first chunk."""
+
+    start: ResponseStart
+    chunks: list[bytes]
+    complete: bool
+
+    @property
+    def streaming(self) -> bool:
+        return (self.start.header("content-type") or "").startswith("text/event-stream")
+
+
+async def read_head(stream: Replies) -> Head:
+    """Reads until the client can be answered without a retry ever being needed: a whole plain
+    response, or a stream's first chunk (before it the replica has produced nothing)."""
+    start = await stream.__anext__()
+    assert isinstance(start, ResponseStart), start
+    head = Head(start, [], False)
+    async for chunk in stream:
+        assert isinstance(chunk, bytes)
+        head.chunks.append(chunk)
+        if head.streaming:
+            return head
+    return Head(start, head.chunks, True)
+
+
+class Ingress:
+    """The HTTP entry: relays each request to an engine replica the Ray request router picks."""
+
+    def __init__(self, engine: DeploymentHandle[Any]) -> None:
+        self._engine = engine.options(stream=True, method_name="forward")
+
+    async def __call__(self, request: Request) -> Response:
+        call = await http_call(request)
+        failure: RayError | None = None
+        for _ in range(ATTEMPTS):
+            stream = cast(Replies, self._engine.remote(call))
+            try:
+                head = await read_head(stream)
+            except REPLICA_GONE as gone:  # nothing started there: another replica may take it
+                failure = gone
+                continue
+            except RayError as error:
+                return error_response(
+                    500, f"the engine replica failed: {type(error).__name__}", "replica_error"
+                )
+            # Ray's proxy sets the request's X-Request-Id on the response itself (the replica echoed it).
+            headers = {k: v for k, v in forwardable(dict(head.start.headers)).items() if k != "x-request-id"}
+            if head.complete:
+                return Response(b"".join(head.chunks), status_code=head.start.status, headers=headers)
+            return SSEResponse(relay(stream, head), headers=headers)
+        message = f"no engine replica could take the request: {type(failure).__name__}"
+        return error_response(503, message, "no_replica", retry_after_s=1)
+
+
+async def relay(stream: Replies, head: Head) -> AsyncGenerator[bytes, None]:
+    """A stream's events; if its replica fails once output began, an error event and [DONE]."""
+    finished = False
+    try:
+        for first in head.chunks:
+            yield first
+        async for chunk in stream:
+            assert isinstance(chunk, bytes)
+            yield chunk
+        finished = True
+    except RayError as error:
+        finished = True
+        yield error_events(f"the engine replica serving this stream failed: {type(error).__name__}")
+    finally:
+        if not finished:
+            # The client left: the replica's app sees a disconnect and aborts the engine request.
+            stream.cancel()  # type: ignore[no-untyped-call]
+
+
+def deployment_options(args: Mapping[str, object], engine_config: EngineConfig) -> dict[str, Any]:
+    """Ray options of the engine deployment. `max_ongoing_requests` defaults to twice what admission
+    holds (running + waiting), so overload reaches admission and is refused there (429 with
+    Retry-After) instead of queueing unseen in Ray's router."""
+    limits = engine_config.scheduler
+    held = limits.max_num_seqs + limits.max_waiting
+    return {
+        "num_replicas": int(str(args.get("num_replicas", 1))),
+        "max_ongoing_requests": int(str(args.get("max_ongoing_requests", 2 * held))),
+        "ray_actor_options": {
+            "num_cpus": float(str(args.get("num_cpus", 1))),
+            "num_gpus": float(str(args.get("num_gpus", 0))),
+        },
+    }
+
+
+def build_app(args: Mapping[str, object]) -> Application:
+    """The Ray Serve application: `ingress_replicas` (default 1, no CPU reserved) relaying to
+    `num_replicas` engine replicas, each building its engine inside its own replica (the model
+    loads there, not in the driver). Host and port are Ray's proxy's (`serve start --http-host
+    /--http-port`); --host/--port here are ignored."""
+    given = {k.replace("-", "_"): v for k, v in args.items()}
+    flags = {k: v for k, v in given.items() if k not in DEPLOYMENT_KEYS}
+    engine_config, server_config = serve_configs(flags)
+    engine = serve.deployment(name="engine", **deployment_options(given, engine_config))(EngineReplica)
+    ingress = serve.deployment(
+        name="tailserve",
+        num_replicas=int(str(given.get("ingress_replicas", 1))),
+        max_ongoing_requests=10_000,  # it only relays; the engines' admission decides
+        ray_actor_options={"num_cpus": 0},
+    )(Ingress)
+    return ingress.bind(engine.bind(engine_config, server_config))  # type: ignore[no-any-return]
