@@ -42,6 +42,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+METRICS_PORT = _free_port()  # Ray's metrics agent's Prometheus page
+METRICS_REPORT_MS = 1000
+
+
 def _wait_ready(base: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while httpx.get(f"{base}/ready", timeout=30).status_code != 200:
@@ -49,11 +53,34 @@ def _wait_ready(base: str) -> None:
         time.sleep(0.2)
 
 
+def _ray_metrics_page(prefix: str, replica: object) -> str:
+    """The line of Ray's metrics export (this node's metrics agent) starting with `prefix` and tagged
+    with `replica`, once Ray has reported it (it reports every METRICS_REPORT_MS)."""
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while True:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).text
+        except httpx.HTTPError:
+            text = ""  # the agent is still starting
+        tag = f'replica="{replica}"'
+        lines = [line for line in text.splitlines() if line.startswith(prefix) and tag in line]
+        if lines:
+            return lines[0]
+        assert time.monotonic() < deadline, "Ray never exported the replica's metric"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A local Ray cluster with Serve's proxy on loopback; the base URL of the proxy."""
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=METRICS_PORT,
+        _system_config={"metrics_report_interval_ms": METRICS_REPORT_MS},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
@@ -157,6 +184,7 @@ def test_admission_429_passes_through_unchanged(cluster: str) -> None:
                 return refused, await http.post("/v1/completions", json=body)
 
         refused, later = asyncio.run(scenario())
+        shown = serve.get_deployment_handle("engine", app_name="one").export_metrics.remote().result()
         assert refused.status_code == 429, refused.text
         error = refused.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "slo", error
@@ -164,8 +192,31 @@ def test_admission_429_passes_through_unchanged(cluster: str) -> None:
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.headers["content-type"] == "application/json"
         assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] == 3
+        # What the replica's Ray metrics now show (tagged with this replica by Ray Serve).
+        assert shown["replica"] == refused.headers[REPLICA_HEADER] == later.headers[REPLICA_HEADER]
+        assert shown["tailserve_requests_rejected{slo}"] == 1
+        assert shown["tailserve_requests_finished{length}"] == 1
+        assert shown["tailserve_requests_running"] == shown["tailserve_requests_waiting"] == 0
+        assert shown["tailserve_time_to_first_token_seconds_count"] == 1  # an abort records none
+        agent = _ray_metrics_page("ray_tailserve_requests_rejected", shown["replica"])
+        assert 'reason="slo"' in agent and agent.rstrip().endswith("1.0"), agent
     finally:
         serve.delete("one")
+
+
+def test_a_hot_prefix_stays_on_one_replica_and_the_rest_spreads(proxy: str) -> None:
+    """tailserve's placement as Ray's request router: requests sharing a long system prompt all go
+    where it is cached; unrelated prompts (no full prefix block) go to the least loaded in turn."""
+    system = ("Answer every question in one short sentence. " * 20)[:768]  # 3 prefix blocks of 256 chars
+
+    def replica_for(prompt: str) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        response = httpx.post(f"{proxy}/v1/completions", json=body, timeout=STEP_TIMEOUT_S)
+        assert response.status_code == 200, response.text
+        return response.headers[REPLICA_HEADER]
+
+    assert len({replica_for(f"{system}Question {i}?") for i in range(6)}) == 1
+    assert len({replica_for(f"Question {i}?") for i in range(6)}) == 2
 
 
 def test_a_replica_killed_under_load(proxy: str) -> None:

@@ -11,7 +11,9 @@ convention: `build_app(args)` takes `tailserve serve`'s flags as `key=value` plu
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -20,6 +22,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,6 +31,8 @@ from tailserve.config import EngineConfig
 from tailserve.engine import AsyncEngine
 from tailserve.http.sse import SSEResponse
 from tailserve.integrations.asgi_call import HttpCall, ResponseStart, call_app
+from tailserve.integrations.ray_metrics import ReplicaMetrics
+from tailserve.integrations.ray_router import PrefixLoadRouter
 from tailserve.router.proxy import REPLICA_HEADER, error_response, forwardable
 from tailserve.router.request_info import route_request
 from tailserve.router.sse import error_events
@@ -35,8 +40,18 @@ from tailserve.server import cli as server_cli
 from tailserve.server.app import create_app
 from tailserve.server.config import ServerConfig
 
+log = logging.getLogger("tailserve.ray_serve")
 # Ray's, not `tailserve serve` flags: engine replicas and their resources, the ingress replicas.
-DEPLOYMENT_KEYS = ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_requests", "ingress_replicas")
+DEPLOYMENT_KEYS = (
+    "num_replicas",
+    "num_cpus",
+    "num_gpus",
+    "max_ongoing_requests",
+    "ingress_replicas",
+    "metrics_interval_s",
+    "router",
+)
+ROUTERS = ("prefix", "ray")  # tailserve's PrefixLoadRouter (default), or Ray's power of two choices
 ATTEMPTS = 3  # replicas tried for a request that none has started (one gone is the usual case)
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 Replies = DeploymentResponseGenerator[ResponseStart | bytes]  # what `EngineReplica.forward` yields
@@ -61,12 +76,16 @@ def serve_configs(args: Mapping[str, object]) -> tuple[EngineConfig, ServerConfi
 @serve.ingress()
 class EngineReplica:
     """One engine and its OpenAI server. Ray runs the app's lifespan (engine start, warm-up, drain
-    when the replica stops); requests arrive as `forward` calls from the ingress."""
+    when the replica stops); requests arrive as `forward` calls from the ingress. Every
+    `metrics_interval_s` its /metrics page goes out through Ray's metrics (ReplicaMetrics)."""
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
-        self._engine = AsyncEngine(engine_config)
-        self._app = create_app(self._engine, server_config)
+    def __init__(
+        self, engine_config: EngineConfig, server_config: ServerConfig, metrics_interval_s: float = 5.0
+    ) -> None:
+        self._app = create_app(AsyncEngine(engine_config), server_config)
         self._replica = serve.get_replica_context().replica_id.unique_id
+        self._metrics = ReplicaMetrics()
+        self._exporting = asyncio.get_running_loop().create_task(self._export_every(metrics_interval_s))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
@@ -77,6 +96,24 @@ class EngineReplica:
             if isinstance(item, ResponseStart):
                 item = ResponseStart(item.status, item.headers + ((REPLICA_HEADER, self._replica),))
             yield item
+
+    async def export_metrics(self) -> dict[str, object]:
+        """Brings this replica's Ray metrics up to its /metrics page now; what they show, by name
+        (a counter's `name{label}`, a histogram's observation count), and the replica's tag."""
+        chunks = [c async for c in call_app(self._app, HttpCall("GET", "/metrics"))]
+        page = self._metrics.export(b"".join(c for c in chunks if isinstance(c, bytes)).decode())
+        shown: dict[str, object] = {"replica": self._replica, **page.gauges}
+        shown.update({f"{name}{{{label}}}": total for (name, label), total in page.counters.items()})
+        shown.update({f"{name}_count": rows[-1][1] for name, rows in page.buckets.items()})
+        return shown
+
+    async def _export_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.export_metrics()
+            except Exception:  # a page that failed to render: the next interval tries again
+                log.exception("exporting the engine metrics to Ray failed")
 
 
 async def http_call(request: Request) -> HttpCall:
@@ -183,10 +220,15 @@ async def relay(stream: Replies, head: Head) -> AsyncGenerator[bytes, None]:
 def deployment_options(args: Mapping[str, object], engine_config: EngineConfig) -> dict[str, Any]:
     """Ray options of the engine deployment. `max_ongoing_requests` defaults to twice what admission
     holds (running + waiting), so overload reaches admission and is refused there (429 with
-    Retry-After) instead of queueing unseen in Ray's router."""
+    Retry-After) instead of queueing unseen in Ray's router. `router`: one of ROUTERS."""
     limits = engine_config.scheduler
     held = limits.max_num_seqs + limits.max_waiting
+    router = str(args.get("router", "prefix"))
+    if router not in ROUTERS:
+        raise ValueError(f"router={router!r}: one of {', '.join(ROUTERS)}")
+    routing: dict[str, Any] = {"request_router_class": PrefixLoadRouter} if router == "prefix" else {}
     return {
+        "request_router_config": RequestRouterConfig(**routing),
         "num_replicas": int(str(args.get("num_replicas", 1))),
         "max_ongoing_requests": int(str(args.get("max_ongoing_requests", 2 * held))),
         "ray_actor_options": {
@@ -211,4 +253,5 @@ def build_app(args: Mapping[str, object]) -> Application:
         max_ongoing_requests=10_000,  # it only relays; the engines' admission decides
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
-    return ingress.bind(engine.bind(engine_config, server_config))  # type: ignore[no-any-return]
+    interval_s = float(str(given.get("metrics_interval_s", 5.0)))
+    return ingress.bind(engine.bind(engine_config, server_config, interval_s))  # type: ignore[no-any-return]
