@@ -104,3 +104,28 @@ def test_dcgm_exporter_runs_on_gpu_nodes_with_the_documented_counters_and_is_scr
     resources = mounts["/var/lib/kubelet/pod-resources"]
     assert volumes[resources["name"]]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
     assert int(flags["collect-interval"]) <= 5000  # ms: no coarser than the 5 s scrape interval
+
+
+def test_rayservice_runs_build_app_with_args_it_accepts_on_the_pinned_ray() -> None:
+    """deploy/k8s/ray: the serve config's app is build_app, its args are `tailserve serve` flags and
+    build_app's Ray keys that parse, and KubeRay's rayVersion is the Ray pyproject pins (the
+    RequestRouter API is alpha)."""
+    ray_serve = pytest.importorskip("tailserve.integrations.ray_serve")
+    (service,) = yaml.safe_load_all((K8S / "ray" / "rayservice.yaml").read_text())
+    assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == "tailserve.integrations.ray_serve:build_app"
+    args = app["args"]
+    flags = {k: v for k, v in args.items() if k not in ray_serve.DEPLOYMENT_KEYS}
+    engine, _ = ray_serve.serve_configs(flags)
+    options = ray_serve.deployment_options(args, engine)
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    gpus = sum(
+        int(g["replicas"])
+        * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        for g in workers
+    )
+    assert options["num_replicas"] * options["ray_actor_options"]["num_gpus"] == gpus
+    pyproject = (K8S.parents[1] / "pyproject.toml").read_text()
+    ray_version = service["spec"]["rayClusterConfig"]["rayVersion"]
+    assert f'"ray[serve]=={ray_version}"' in pyproject
