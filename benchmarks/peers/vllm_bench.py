@@ -81,6 +81,11 @@ class ClientLoad:
     request_rate: float = math.inf
     max_concurrency: int | None = None
     seed: int = 0
+    # Prompts to send in file order instead of random ones, the same as another client's: a ShareGPT-style
+    # JSON list of {"conversations": [{"from": "human", "value": PROMPT}, {"from": "gpt", "value": ""}]}
+    # (vLLM's `sharegpt` reader, sent as is; its `custom` JSONL reader needs pandas, which vLLM's CPU
+    # wheel does not install). input_len is then unused.
+    dataset: Path | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_prompts, self.input_len, self.output_len) < 1:
@@ -144,8 +149,17 @@ def bench_command(
     """`vllm bench serve` (through VLLM_CLI) for `load` against `base_url`'s `model`, saving to `result_json`."""
     command = [str(python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
     command += ["--base-url", server_root(base_url), "--endpoint", "/v1/completions", "--model", model]
-    command += ["--dataset-name", "random", "--random-input-len", str(load.input_len)]
-    command += ["--random-output-len", str(load.output_len), "--random-range-ratio", f"{load.range_ratio:g}"]
+    if load.dataset is not None:
+        command += ["--dataset-name", "sharegpt", "--dataset-path", str(load.dataset), "--disable-shuffle"]
+        command += ["--sharegpt-output-len", str(load.output_len)]
+    else:
+        command += ["--dataset-name", "random", "--random-input-len", str(load.input_len)]
+        command += [
+            "--random-output-len",
+            str(load.output_len),
+            "--random-range-ratio",
+            f"{load.range_ratio:g}",
+        ]
     command += ["--num-prompts", str(load.num_prompts), "--seed", str(load.seed)]
     command += ["--ignore-eos", "--temperature", "0", "--request-rate", f"{load.request_rate:g}"]
     if load.max_concurrency is not None:
@@ -253,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s (default inf)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dataset", type=Path, default=None, help="ShareGPT-style JSON of prompts, sent in order"
+    )
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--tokenizer", type=Path, default=None, help=f"default {HF_DIR}, made if missing")
     parser.add_argument("--out", type=Path, required=True, help="the saved-result JSON (console: OUT.txt)")
@@ -266,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
+        dataset=args.dataset,
     )
     tokenizer = args.tokenizer or ensure_hf_dir()
     python = ensure_vllm_venv()

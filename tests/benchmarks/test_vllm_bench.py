@@ -107,6 +107,20 @@ def test_a_poisson_command_has_its_rate_and_no_concurrency_cap(tmp_path: Path) -
     assert flag(command, "--base-url") == "http://h:1"
 
 
+def test_a_command_with_a_dataset_sends_its_prompts_in_file_order_instead_of_random_ones(
+    tmp_path: Path,
+) -> None:
+    prompts = tmp_path / "prompts.json"
+    load = ClientLoad(num_prompts=220, input_len=128, output_len=32, request_rate=1.0, dataset=prompts)
+    command = vllm_bench.bench_command("http://h:1", load, tmp_path / "r.json", "m")
+    assert flag(command, "--dataset-name") == "sharegpt"
+    assert flag(command, "--dataset-path") == str(prompts)
+    assert "--disable-shuffle" in command  # the same order as the other clients'
+    assert flag(command, "--sharegpt-output-len") == "32"
+    assert "--ignore-eos" in command
+    assert not any(part.startswith("--random-") for part in command)
+
+
 @pytest.mark.parametrize(
     "bad",
     [
