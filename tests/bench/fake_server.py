@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 DEFAULT_BEHAVIOUR: dict[str, Any] = {"ttft_s": 0.01, "itl_s": 0.005, "tokens": 4}
+_OBJECT = {True: "chat.completion.chunk", False: "text_completion"}
 
 
 class FakeServer:
@@ -68,7 +69,7 @@ class FakeServer:
             return await _send_json(writer, 200, {"ok": True})
         if path == "/metrics":
             return await self.send_metrics(writer)
-        if path == "/ready":
+        if path in ("/ready", "/health"):  # /health: guidellm checks it before a run
             return await _send_json(writer, 200, {"ready": True})
         if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
             return await _send_json(writer, 401, {"error": {"message": "invalid api key"}})
@@ -158,10 +159,12 @@ class FakeServer:
                 choice["delta"] = {"content": text}
             else:
                 choice["text"] = text
-            await _send_chunk(writer, _sse({"choices": [choice]}))
+            # `object` as OpenAI sends it: aiperf ignores a chunk without it
+            await _send_chunk(writer, _sse({"object": _OBJECT[chat], "choices": [choice]}))
             emits.append(time.perf_counter())
         if b.get("usage", True):
             final: dict[str, Any] = {
+                "object": _OBJECT[chat],
                 "choices": [],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens},
             }
