@@ -366,7 +366,7 @@ def run_client(
     wall = time.monotonic() - t0
     server_after = server_cpu_s(out)
     cores = {k: v - cores_before.get(k, 0.0) for k, v in core_busy_s().items()}
-    cpu = {
+    cpu: dict[str, Any] = {
         "client": name,
         "cpus": cpus,
         "env": extra,
@@ -468,7 +468,8 @@ def order_stat_interval(
     around n*q, `tailserve bench`'s method; an end is None when n is too small to have one."""
     from tailserve.bench.intervals import percentile_interval
 
-    return percentile_interval(sorted(values), q * 100, level)
+    interval: tuple[float | None, float | None] = percentile_interval(sorted(values), q * 100, level)
+    return interval
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:
