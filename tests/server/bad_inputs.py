@@ -178,6 +178,14 @@ BAD_INPUTS: list[BadInput] = [
         "n",
         says="1024 generations",
     ),
+    # The gateway's SLO headers (issue 42): a number of milliseconds in (0, one hour], sent once
+    BadInput("x-slo-ttft-ms not a number", {"model": TINY, "prompt": "a"}, 400, "x-slo-ttft-ms", headers={**JSON, "x-slo-ttft-ms": "fast"}),
+    BadInput("x-slo-ttft-ms negative", {"model": TINY, "prompt": "a"}, 400, "x-slo-ttft-ms", headers={**JSON, "x-slo-ttft-ms": "-5"}),
+    BadInput("x-slo-tpot-ms zero", {"model": TINY, "prompt": "a"}, 400, "x-slo-tpot-ms", headers={**JSON, "x-slo-tpot-ms": "0"}),
+    BadInput("x-slo-tpot-ms nan", {"model": TINY, "prompt": "a"}, 400, "x-slo-tpot-ms", headers={**JSON, "x-slo-tpot-ms": "nan"}),
+    BadInput("x-slo-ttft-ms past an hour", {"model": TINY, "prompt": "a"}, 400, "x-slo-ttft-ms", headers={**JSON, "x-slo-ttft-ms": "3600001"}),
+    BadInput("x-slo-tpot-ms of 400 digits in chat", _chat("x"), 400, "x-slo-tpot-ms", "/v1/chat/completions", {**JSON, "x-slo-tpot-ms": "9" * 400}),
+    BadInput("slo.ttft_ms past an hour", {"model": TINY, "prompt": "a", "slo": {"ttft_ms": 1e12}}, 400, "slo.ttft_ms"),
     # vLLM's tokenizer routes, which the router forwards too (issue 43)
     BadInput("tokenize prompt and messages", {"model": TINY, "prompt": "a", "messages": []}, 400, "prompt", "/tokenize"),
     BadInput("tokenize unknown model", {"model": "nope", "prompt": "a"}, 404, "model", "/tokenize"),

@@ -232,6 +232,12 @@ def register(subparsers: Any) -> None:
         "keys never share prefix-cache blocks (default off: the request's cache_salt, as vLLM)",
     )
     h.add_argument(
+        "--trust-slo-headers",
+        action="store_true",
+        help="the x-slo-ttft-ms / x-slo-tpot-ms request headers come from a trusted gateway and may "
+        "tighten the caller's SLO class (default off: they may only loosen it)",
+    )
+    h.add_argument(
         "--drain-timeout",
         type=float,
         default=_SERVER.drain_timeout_s,

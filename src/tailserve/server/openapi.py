@@ -62,6 +62,9 @@ class Timings(_Out):
     prompt_tokens: int
     output_tokens: int
     admission_estimate_s: float
+    slo_class: str | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 class CompletionLogprobs(_Out):

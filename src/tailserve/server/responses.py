@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tailserve.engine.request import RequestOutput, TokenLogprob
+from tailserve.engine.request import RequestOutput, SloTarget, TokenLogprob
 from tailserve.server.tools import ToolCallStream, parse_tool_calls
 
 Kind = Literal["completion", "chat"]
@@ -30,6 +30,7 @@ class Job:
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
     best_of: tuple[int, int] | None = None  # (n, best_of) when best_of > n: candidates to rank
     admission_estimate_s: float = 0.0  # the TTFT admission predicted for the (first) choice on arrival
+    slo: SloTarget | None = None  # the targets it was admitted and scheduled by (None: the engine's)
 
 
 def logprobs_json(job: Job, lps: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any] | None:
@@ -108,13 +109,20 @@ def usage(
     }
 
 
-def timings(job: Job, out: RequestOutput) -> dict[str, float | int]:
-    """The `tailserve_timings` extension field (docs/INTERFACES.md); zeros if the engine gave none."""
-    estimate = {"admission_estimate_s": job.admission_estimate_s}
+def timings(job: Job, out: RequestOutput) -> dict[str, float | int | str | None]:
+    """The `tailserve_timings` extension field (docs/INTERFACES.md); zeros if the engine gave none.
+    Beside the admission estimate: the SLO class and targets the request was admitted and scheduled by."""
+    slo = job.slo
+    estimate: dict[str, float | int | str | None] = {
+        "admission_estimate_s": job.admission_estimate_s,
+        "slo_class": slo.slo_class if slo is not None else None,
+        "slo_ttft_s": slo.ttft_s if slo is not None else None,
+        "slo_tpot_s": slo.tpot_s if slo is not None else None,
+    }
     if out.timings is not None:
         return out.timings.as_dict() | estimate
     keys = ("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s")
-    empty: dict[str, float | int] = dict.fromkeys(keys, 0.0)
+    empty: dict[str, float | int | str | None] = dict.fromkeys(keys, 0.0)
     return (
         empty
         | {

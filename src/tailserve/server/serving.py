@@ -58,7 +58,7 @@ from tailserve.server.responses import (
     usage,
 )
 from tailserve.server.sampling_args import sampling_params
-from tailserve.server.slo_classes import SloClasses
+from tailserve.server.slo_classes import TPOT_HEADER, TTFT_HEADER, SloClasses, SloHeaders
 from tailserve.server.tools import ToolCallStream
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -86,8 +86,10 @@ class Serving:
         defaults: GenerationDefaults,
         slo_classes: SloClasses | None = None,
         cache_salt_from_api_key: bool = False,
+        trust_slo_headers: bool = False,
     ) -> None:
         self._engine = engine
+        self._trust_slo_headers = trust_slo_headers
         self._cache_salt_from_api_key = cache_salt_from_api_key
         self._slo_classes = slo_classes or SloClasses.builtin(engine.config.scheduler)
         self._admission = admission
@@ -103,17 +105,27 @@ class Serving:
         self._admission.check_available()
         api_key = bearer_token(request.headers.get("authorization"))
         raw = await request.body() if body is None else body
-        prepared = self.prepare(kind, raw, api_key, request_id_of(request))
+        h = request.headers
+        slo_headers = SloHeaders(
+            tuple(h.getlist(TTFT_HEADER)), tuple(h.getlist(TPOT_HEADER)), self._trust_slo_headers
+        )
+        prepared = self.prepare(kind, raw, api_key, request_id_of(request), slo_headers)
         grammars = (i.params.grammar for i in prepared.inputs if i.params.grammar is not None)
         for spec in dict.fromkeys(grammars):
             await self._engine.prepare_grammar(spec)  # on a worker thread; a bad one is a 400 here
         return await self.respond(prepared, request.receive, render)
 
     def prepare(
-        self, kind: Kind, body: bytes, api_key: str | None = None, request_id: str | None = None
+        self,
+        kind: Kind,
+        body: bytes,
+        api_key: str | None = None,
+        request_id: str | None = None,
+        slo_headers: SloHeaders | None = None,
     ) -> Prepared:
         """Body -> validated engine inputs (one per choice); raises before anything is queued.
         `api_key` (the caller's bearer token) may pick the request's SLO class and its cache_salt;
+        `slo_headers` (the gateway's x-slo-ttft-ms / x-slo-tpot-ms) may set its targets;
         `request_id` (X-Request-Id) names it to the client (`chatcmpl-<request_id>`); the engine's
         ids stay fresh, so a client reusing an id (a retry) never collides with a running request."""
         data = parse_json(body)
@@ -128,7 +140,7 @@ class Serving:
             self._check_model(req.model)
             prompts = [chat_prompt_ids(req, tokenizer)]
         slo_body = req.slo.model_dump() if req.slo is not None else None
-        slo = self._slo_classes.for_request(api_key, req.model, req.priority, slo_body)
+        slo = self._slo_classes.for_request(api_key, req.model, req.priority, slo_body, slo_headers)
         salt = req.cache_salt
         if self._cache_salt_from_api_key and api_key is not None:
             salt = api_key_cache_salt(api_key, salt)
@@ -167,6 +179,7 @@ class Serving:
             if isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False
             else None,
             best_of=best_of,
+            slo=slo,
         )
         return Prepared(engine_id, inputs, slo, job)
 

@@ -1,14 +1,16 @@
 """SLO classes: named TTFT/TPOT targets, and which targets one HTTP request gets.
 
-A request's own `slo` field wins, then its `priority` (a class name, or vLLM's integer), then the
-class of its API key, then that of its model name, then the server default. Classes come from
-`--slo-classes FILE` (JSON) over two built-in ones; building them never touches the engine.
+The gateway's `x-slo-ttft-ms` / `x-slo-tpot-ms` headers win, then the request's own `slo` field, then
+its `priority` (a class name, or vLLM's integer), then the class of its API key, then that of its model
+name, then the server default. Headers never tighten past the caller's class unless trusted
+(--trust-slo-headers). Classes come from `--slo-classes FILE` over two built-in ones; no engine call.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,19 @@ from tailserve.errors import ConfigError, InvalidRequestError
 
 INTERACTIVE, BATCH = "interactive", "batch"
 BATCH_TTFT_FACTOR, BATCH_TPOT_FACTOR = 10.0, 4.0  # built-in batch: this much looser than interactive
+TTFT_HEADER, TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # what the gateway's SLO-aware routing sends
+MAX_REQUEST_TARGET_MS = 3_600_000.0  # a per-request target past an hour is a mistake, not a latency target
+_DECIMAL = re.compile(r"[0-9]+(\.[0-9]+)?")  # a header's number: no sign, exponent, inf or nan
+
+
+@dataclass(frozen=True)
+class SloHeaders:
+    """The SLO headers as received (every value, to catch repeats; empty: absent), and whether they
+    come from a trusted gateway (--trust-slo-headers) and so may tighten the caller's class."""
+
+    ttft_ms: tuple[str, ...] = ()
+    tpot_ms: tuple[str, ...] = ()
+    trusted: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,10 +96,17 @@ class SloClasses:
         )
 
     def for_request(
-        self, api_key: str | None, model: str, priority: int | str | None, slo: dict[str, Any] | None
+        self,
+        api_key: str | None,
+        model: str,
+        priority: int | str | None,
+        slo: dict[str, Any] | None,
+        headers: SloHeaders | None = None,
     ) -> SloTarget:
-        """The targets of one request; InvalidRequestError names the field when a value is bad."""
-        name = self.api_keys.get(api_key or "") or self.models.get(model) or self.default
+        """The targets of one request; InvalidRequestError names the field (or header) when a value
+        is bad. A header target, untrusted, is raised to the caller's class target when tighter."""
+        caller = self.api_keys.get(api_key or "") or self.models.get(model) or self.default
+        name = caller
         if isinstance(priority, str):
             if priority not in self.classes:
                 raise InvalidRequestError(
@@ -96,8 +118,15 @@ class SloClasses:
             name = INTERACTIVE if priority < 0 else BATCH if priority > 0 else name
         target = self.classes[name]
         if slo:
-            ttft = _ms(slo.get("ttft_ms"), "slo.ttft_ms", InvalidRequestError)
-            tpot = _ms(slo.get("tpot_ms"), "slo.tpot_ms", InvalidRequestError)
+            ttft = _request_ms(slo.get("ttft_ms"), "slo.ttft_ms")
+            tpot = _request_ms(slo.get("tpot_ms"), "slo.tpot_ms")
+            target = SloTarget(name, ttft or target.ttft_s, tpot or target.tpot_s)
+        if headers is not None:
+            ttft = _header_ms(headers.ttft_ms, TTFT_HEADER)
+            tpot = _header_ms(headers.tpot_ms, TPOT_HEADER)
+            if not headers.trusted:  # otherwise any client could buy priority with a header
+                own = self.classes[caller]  # the tightest targets the caller's key or model allows
+                ttft, tpot = _no_tighter(ttft, own.ttft_s), _no_tighter(tpot, own.tpot_s)
             target = SloTarget(name, ttft or target.ttft_s, tpot or target.tpot_s)
         return target
 
@@ -125,3 +154,36 @@ def _ms(value: Any, param: str, error: type[ConfigError] | type[InvalidRequestEr
             raise InvalidRequestError(message, param)
         raise ConfigError(f"--slo-classes: {message}")
     return float(value) / 1000.0
+
+
+def _request_ms(value: Any, param: str) -> float | None:
+    """A per-request target (body or header): positive, and at most an hour."""
+    seconds = _ms(value, param, InvalidRequestError)
+    if seconds is not None and seconds * 1000.0 > MAX_REQUEST_TARGET_MS:
+        raise InvalidRequestError(
+            f"'{param}' must be at most {MAX_REQUEST_TARGET_MS:.0f} milliseconds (an hour), got {value!r}",
+            param,
+        )
+    return seconds
+
+
+def _header_ms(values: tuple[str, ...], header: str) -> float | None:
+    """One header's target in seconds (None: absent); a repeat or a non-decimal value is a 400."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidRequestError(f"header '{header}' given {len(values)} times; send it once", header)
+    text = values[0].strip()
+    if not _DECIMAL.fullmatch(text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise InvalidRequestError(
+            f"header '{header}' must be a positive decimal number of milliseconds, got {shown!r}", header
+        )
+    return _request_ms(float(text), header)
+
+
+def _no_tighter(seconds: float | None, class_s: float | None) -> float | None:
+    """A client's target, raised to its class's when tighter (None: the header was absent)."""
+    if seconds is None or class_s is None:
+        return seconds
+    return max(seconds, class_s)
