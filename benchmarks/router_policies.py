@@ -4,10 +4,14 @@ model gateway (`sglang:cache_aware` etc., sglang-router 0.3.2) in front of the s
 For each workload and policy: three fresh `tailserve serve` replicas (small KV pool, one thread
 each), a fresh `tailserve route` (or `python -m sglang_router launch` for `sglang:<policy>`), Poisson
 arrivals from a small async httpx client. Reports P99 TTFT/TPOT (nearest rank, client clock) and the
-replicas' prefix-cache hit rate (from their /metrics).
+replicas' prefix-cache hit rate (from their /metrics), and goodput (requests/s within --slo-ttft-ms and
+--slo-tpot-ms). `--seeds 0,1,2` repeats each run on other seeded workloads; `--summarize` reads the
+JSON of several runs and gives each policy's mean P99 TTFT and goodput over the seeds with a bootstrap
+interval, and the paired difference between two policies on the same seeds.
 
     .venv/bin/python benchmarks/router_policies.py            # both workloads, all three policies
     .venv/bin/python benchmarks/router_policies.py --workload hot_key --requests 200 --out r.json
+    .venv/bin/python benchmarks/router_policies.py --summarize a.json b.json --baseline prefix
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from pathlib import Path
 import httpx
 from proc import ServerProcess, thread_env
 
+from tailserve.bench.intervals import percentile_interval
 from tailserve.bench.stats import nearest_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("hash", "least_load", "prefix")
-WORKLOADS = ("hot_key", "shared_system_prompt")
+WORKLOADS = ("hot_key", "shared_system_prompt", "uniform")
+BOOTSTRAP_RESAMPLES = 10_000
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Sample:
     e2e_s: float = math.nan
     output_tokens: int = 0
     error: str = ""
+    sent_s: float = math.nan  # perf_counter when it was sent
 
 
 @dataclass
@@ -79,6 +86,10 @@ class PolicyResult:
     preemptions: int = 0
     per_replica_requests: list[int] = field(default_factory=list)
     decisions: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    p99_ttft_ci_s: tuple[float | None, float | None] = (None, None)  # this run's, distribution-free 95 %
+    goodput_per_s: float = math.nan  # requests within both SLO targets / (first send .. last end)
+    goodput_fraction: float = math.nan  # of all requests sent
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,6 +143,37 @@ def shared_prompt_jobs(seed: int, n: int, rate: float, args: argparse.Namespace)
     return jobs
 
 
+def uniform_jobs(seed: int, n: int, rate: float, args: argparse.Namespace) -> list[Job]:
+    """No shared prefix: every request its own prompt, as long as a hot_key prompt."""
+    rng = random.Random(seed)
+    jobs = []
+    for i, at_s in enumerate(poisson_times(rng, n, rate)):
+        prompt = _text(rng, args.prefix_chars + rng.randint(44, 164))
+        jobs.append(Job(at_s, f"user-{i}", prompt, rng.randint(args.min_tokens, args.max_tokens)))
+    return jobs
+
+
+def goodput(samples: list[Sample], ttft_s: float, tpot_s: float) -> tuple[float, float]:
+    """(requests/s that met both targets over first send .. last end, their share of all sent)."""
+    good = [s for s in samples if s.ok and s.ttft_s <= ttft_s and not s.tpot_s > tpot_s]
+    ends = [s.sent_s + s.e2e_s for s in samples if s.ok]
+    if not samples or not ends:
+        return 0.0, 0.0
+    duration = max(max(ends) - min(s.sent_s for s in samples), 1e-9)
+    return len(good) / duration, len(good) / len(samples)
+
+
+def bootstrap_mean(values: list[float], level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): percentile bootstrap of the mean over independent runs (seeds)."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(math.fsum(rng.choices(values, k=n)) / n for _ in range(BOOTSTRAP_RESAMPLES))
+    tail = (1 - level) / 2
+    low = means[int(tail * BOOTSTRAP_RESAMPLES)]
+    high = means[min(BOOTSTRAP_RESAMPLES - 1, int((1 - tail) * BOOTSTRAP_RESAMPLES))]
+    return math.fsum(values) / n, low, high
+
+
 async def send(client: httpx.AsyncClient, url: str, model: str, job: Job) -> Sample:
     """Stream one completion; TTFT at the first chunk with a choice, TPOT from the usage count."""
     body = {
@@ -149,22 +191,22 @@ async def send(client: httpx.AsyncClient, url: str, model: str, job: Job) -> Sam
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                return Sample(False, error=f"HTTP {response.status_code}")
+                return Sample(False, error=f"HTTP {response.status_code}", sent_s=started)
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 if math.isnan(ttft_s) and '"choices":[{' in line.replace(" ", ""):
                     ttft_s = time.perf_counter() - started
                 if '"error"' in line:
-                    return Sample(False, error=line[:200])
+                    return Sample(False, error=line[:200], sent_s=started)
                 if '"usage"' in line:
                     usage = json.loads(line[6:]).get("usage") or {}
                     tokens = int(usage.get("completion_tokens") or tokens)
     except httpx.HTTPError as exc:
-        return Sample(False, error=repr(exc))
+        return Sample(False, error=repr(exc), sent_s=started)
     e2e_s = time.perf_counter() - started
     tpot_s = (e2e_s - ttft_s) / (tokens - 1) if tokens > 1 else math.nan
-    return Sample(True, ttft_s, tpot_s, e2e_s, tokens)
+    return Sample(True, ttft_s, tpot_s, e2e_s, tokens, sent_s=started)
 
 
 async def run_jobs(url: str, model: str, jobs: list[Job]) -> list[Sample]:
@@ -205,7 +247,9 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Namespace) -> PolicyResult:
+def run_policy(
+    workload: str, policy: str, jobs: list[Job], args: argparse.Namespace, jobs_seed: int = 0
+) -> PolicyResult:
     """Fresh replicas and router, one run, then the numbers."""
     env = thread_env(1)
     *replica_ports, router_port = free_ports(4, args.base_port)
@@ -272,6 +316,8 @@ def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Names
     ]
     decisions = {k: v for k, v in router_metrics.items() if k.startswith("tailserve_router_decisions_total")}
     good = [s for s in samples if s.ok]
+    goodput_per_s, goodput_fraction = goodput(samples, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    ttft_ci = percentile_interval(sorted(s.ttft_s for s in good), 99.0)
     return PolicyResult(
         workload=workload,
         policy=policy,
@@ -287,21 +333,68 @@ def run_policy(workload: str, policy: str, jobs: list[Job], args: argparse.Names
         preemptions=int(sum(delta("tailserve_preemptions_total", i) for i in range(3))),
         per_replica_requests=finished,
         decisions=decisions,
+        seed=jobs_seed,
+        p99_ttft_ci_s=ttft_ci,
+        goodput_per_s=goodput_per_s,
+        goodput_fraction=goodput_fraction,
     )
+
+
+def _ci_ms(low: float | None, high: float | None) -> str:
+    """An interval in ms; too few requests for a bound leave that side open (`>= 111`)."""
+    if low is not None and high is not None:
+        return f"{low * 1e3:.0f}-{high * 1e3:.0f}"
+    if low is not None:
+        return f">= {low * 1e3:.0f}"
+    return "no bound" if high is None else f"<= {high * 1e3:.0f}"
 
 
 def markdown(results: list[PolicyResult]) -> str:
     rows = [
-        "| workload | policy | requests | errors | P50 TTFT ms | P99 TTFT ms | P50 TPOT ms | P99 TPOT ms "
-        "| P99 E2E s | max E2E s | preemptions | prefix hit rate | requests per replica |",
+        "| workload | policy | seed | requests | errors | P50 TTFT ms | P99 TTFT ms (95 % CI) | P50 TPOT ms "
+        "| P99 TPOT ms | P99 E2E s | goodput req/s (share) | prefix hit rate | requests per replica |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
+        low, high = r.p99_ttft_ci_s
         rows.append(
-            f"| {r.workload} | {r.policy} | {r.requests} | {r.errors} | {r.p50_ttft_s * 1e3:.0f} "
-            f"| {r.p99_ttft_s * 1e3:.0f} | {r.p50_tpot_s * 1e3:.1f} | {r.p99_tpot_s * 1e3:.1f} "
-            f"| {r.p99_e2e_s:.2f} | {r.max_e2e_s:.2f} | {r.preemptions} | {r.prefix_hit_rate:.1%} "
-            f"| {r.per_replica_requests} |"
+            f"| {r.workload} | {r.policy} | {r.seed} | {r.requests} | {r.errors} | {r.p50_ttft_s * 1e3:.0f} "
+            f"| {r.p99_ttft_s * 1e3:.0f} ({_ci_ms(low, high)}) | {r.p50_tpot_s * 1e3:.1f} "
+            f"| {r.p99_tpot_s * 1e3:.1f} | {r.p99_e2e_s:.2f} | {r.goodput_per_s:.2f} ({r.goodput_fraction:.0%}) "
+            f"| {r.prefix_hit_rate:.1%} | {r.per_replica_requests} |"
+        )
+    return "\n".join(rows)
+
+
+def summary(runs: list[dict[str, object]], baseline: str) -> str:
+    """Per workload and policy over its seeds: mean P99 TTFT and goodput with bootstrap 95 % intervals;
+    and each policy minus `baseline` on the seeds both ran (paired: the same requests)."""
+    rows = [
+        "| workload | policy | seeds | P99 TTFT ms: mean (95 % CI) | goodput req/s: mean (95 % CI) "
+        f"| P99 TTFT minus {baseline}, ms (95 % CI) | goodput minus {baseline} (95 % CI) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    by_key: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    for run in runs:
+        fields = {
+            "p99_ttft_ms": float(str(run["p99_ttft_s"])) * 1e3,
+            "goodput": float(str(run["goodput_per_s"])),
+        }
+        by_key.setdefault((str(run["workload"]), str(run["policy"])), {})[int(str(run["seed"]))] = fields
+    for (workload, policy), per_seed in sorted(by_key.items()):
+        p99 = bootstrap_mean([r["p99_ttft_ms"] for r in per_seed.values()])
+        good = bootstrap_mean([r["goodput"] for r in per_seed.values()])
+        base = by_key.get((workload, baseline), {})
+        paired = sorted(set(per_seed) & set(base))
+        diff_p99 = diff_good = "-"
+        if policy != baseline and paired:
+            dm, dl, dh = bootstrap_mean([per_seed[s]["p99_ttft_ms"] - base[s]["p99_ttft_ms"] for s in paired])
+            gm, gl, gh = bootstrap_mean([per_seed[s]["goodput"] - base[s]["goodput"] for s in paired])
+            diff_p99 = f"{dm:+.0f} ({dl:+.0f} .. {dh:+.0f})"
+            diff_good = f"{gm:+.2f} ({gl:+.2f} .. {gh:+.2f})"
+        rows.append(
+            f"| {workload} | {policy} | {len(per_seed)} | {p99[0]:.0f} ({p99[1]:.0f}-{p99[2]:.0f}) "
+            f"| {good[0]:.2f} ({good[1]:.2f}-{good[2]:.2f}) | {diff_p99} | {diff_good} |"
         )
     return "\n".join(rows)
 
@@ -314,6 +407,13 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="1MiB", help="per replica: small, so load matters")
     parser.add_argument("--max-num-seqs", type=int, default=1, help="per replica: few slots, so queues form")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds, one run each (default: --seed)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=100.0, help="goodput: a request's TTFT target")
+    parser.add_argument("--slo-tpot-ms", type=float, default=20.0, help="goodput: a request's TPOT target")
+    parser.add_argument(
+        "--summarize", type=Path, nargs="+", default=None, help="JSON of earlier runs: summary only"
+    )
+    parser.add_argument("--baseline", default="prefix", help="--summarize: the policy others are compared to")
     parser.add_argument(
         "--base-port", type=int, default=18200, help="replicas on 3 consecutive ports from here"
     )
@@ -330,18 +430,26 @@ def main() -> int:
     parser.add_argument("--system-chars", type=int, default=600)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    if args.summarize:
+        runs = [run for path in args.summarize for run in json.loads(path.read_text())]
+        print(summary(runs, args.baseline))
+        return 0
 
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     results = []
-    for workload in workloads:
-        if workload == "hot_key":
-            jobs = hot_key_jobs(args.seed, args.requests, args.rate, args)
-        else:
-            jobs = shared_prompt_jobs(args.seed, args.shared_requests, args.shared_rate, args)
-        for policy in args.policies.split(","):
-            result = run_policy(workload, policy, jobs, args)
-            print(markdown([result]).splitlines()[-1], flush=True)
-            results.append(result)
+    for seed in seeds:
+        for workload in workloads:
+            if workload == "hot_key":
+                jobs = hot_key_jobs(seed, args.requests, args.rate, args)
+            elif workload == "uniform":
+                jobs = uniform_jobs(seed, args.requests, args.rate, args)
+            else:
+                jobs = shared_prompt_jobs(seed, args.shared_requests, args.shared_rate, args)
+            for policy in args.policies.split(","):
+                result = run_policy(workload, policy, jobs, args, seed)
+                print(markdown([result]).splitlines()[-1], flush=True)
+                results.append(result)
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
     print(f"\n{datetime.now(UTC):%Y-%m-%d} on {machine}; command: {' '.join(sys.argv)}\n")
     print(markdown(results))
