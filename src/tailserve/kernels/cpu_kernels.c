@@ -576,6 +576,14 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* LDTILECFG of `c`. GCC does not model the instruction as reading the 64 bytes, and at -O3 it has
+ * dropped the stores that fill a config on the stack (seen: a fault on an uninitialised config), so
+ * a compiler barrier keeps them. */
+static inline void load_tile_config(const tile_config *c) {
+    __asm__ __volatile__("" : : "r"(c) : "memory");
+    _tile_loadconfig(c);
+}
+
 /* Two tile sets, so one group's widening and epilogue overlap the other's tile work:
  * tiles 0 / 3: C, rows x 16 float32; 1 / 4: A, rows x 32 bf16; 2 / 5: B, 16 k-pairs x 16 outputs. */
 static void amx_config(int64_t rows) {
@@ -586,7 +594,7 @@ static void amx_config(int64_t rows) {
         c.rows[i] = i % 3 == 2 ? 16 : (uint8_t)rows;
         c.colsb[i] = 64;
     }
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* acc[r] (16 outputs) += scale * c[r] (+ shifted_min * xsum[r]): a group's float32 tile result scaled. */
@@ -690,7 +698,7 @@ static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    load_tile_config(&cfg);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const bf16 *keys = k_cache + (table[t0 / block_size] * block_size + t0 % block_size) * kv_width;
         _tile_zero(0);
@@ -882,60 +890,152 @@ typedef struct {
     const float *scale, *min;
     const bf16 *bias;
     bf16 *y;
+    int64_t pairs_per_chunk;
 } prefill_job;
 
-/* One chunk of ts_q4_prefill_matmul: a pair of output tiles (widened once) for every row.
- * Two output tiles share each A tile: C tiles 0 and 3, A in 1, B in 2 and 5. */
-static void prefill_chunk(const void *arg, int64_t chunk) {
-    const prefill_job *j = (const prefill_job *)arg;
-    const int64_t k = j->k, groups = k / GROUP_K, t = 2 * chunk;
-    const int64_t pair = j->tiles - t >= 2 ? 2 : 1;
-    bf16 *widened = (bf16 *)aligned_alloc(64, (size_t)(2 * groups * 512) * sizeof(bf16));
-    float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
-    for (int64_t p = 0; p < pair; p++) {
-        const uint8_t *w = j->packed + (t + p) * (k / 4) * 32;
-        for (int64_t g = 0; g < groups; g++)
-            widen_q4_group_dense(w + g * 256, j->scale + ((t + p) * groups + g) * 16,
-                                 j->min + ((t + p) * groups + g) * 16, widened + (p * groups + g) * 512);
+/* 32 rows x 16 outputs per C tile pair: tiles 0-3 are C (row half r, output tile p at 2 r + p),
+ * 4 / 5 the two row halves' A, 6 / 7 the two output tiles' B. Every tile 16 rows. */
+static void amx_config_2x2(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
     }
-    for (int64_t m0 = 0; m0 < j->rows; m0 += 16) {
-        const int64_t mb = j->rows - m0 < 16 ? j->rows - m0 : 16;
-        if (m0 == 0 || mb < 16) amx_config(mb);
+    load_tile_config(&c);
+}
+
+/* y[rows, 16] (output tile t) from a float32 tile result, + bias, rounded to bf16. */
+static inline void prefill_store(const prefill_job *j, const float *c, int64_t m0, int64_t rows, int64_t t) {
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 out = _mm512_loadu_ps(c + r * 16);
+        if (j->bias != NULL) out = _mm512_add_ps(out, load16_bf16(j->bias + t * 16));
+        _mm256_storeu_si256((__m256i *)(j->y + (m0 + r) * j->n_out + t * 16), (__m256i)_mm512_cvtneps_pbh(out));
+    }
+}
+
+/* A grow-only buffer per thread for a chunk's widened weights (see scratch_buf below). */
+static __thread struct {
+    void *data;
+    size_t bytes;
+} widened_scratch;
+
+static bf16 *widened_buffer(size_t bytes) {
+    if (bytes > widened_scratch.bytes) {
+        free(widened_scratch.data);
+        widened_scratch.data = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        widened_scratch.bytes = widened_scratch.data == NULL ? 0 : bytes;
+    }
+    return (bf16 *)widened_scratch.data;
+}
+
+/* Rows m0 .. m0 + rows - 1 of output tiles t, t + 1 (pair 2) or t alone (pair 1) from their widened
+ * weights w0 / w1: 32 rows at a time through four C tiles (two row halves x the pair: each A and B
+ * tile loaded once for two products), the last < 32 rows (or a lone tile) 16 at a time through two.
+ * Each output's sum runs over the groups in order in one C tile either way: the same bits for any
+ * row count. `configured`: the tile configuration in force (rows a tile, 32 for the 2 x 2 one). */
+static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t t, int64_t pair, const bf16 *w0,
+                         const bf16 *w1, int64_t *configured) {
+    const int64_t k = j->k, groups = k / GROUP_K, end = m0 + rows;
+    float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
+    float c2[16 * 16] __attribute__((aligned(64))), c3[16 * 16] __attribute__((aligned(64)));
+    if (pair == 2) {
+        for (; m0 + 32 <= end; m0 += 32) {
+            if (*configured != 32) amx_config_2x2(), *configured = 32;
+            const bf16 *xa = j->x + m0 * k, *xb = xa + 16 * k;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < groups; g++) {
+                _tile_loadd(4, xa + g * GROUP_K, k * 2);
+                _tile_loadd(6, w0 + g * 512, 64);
+                _tile_loadd(7, w1 + g * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, xb + g * GROUP_K, k * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c0, 64);
+            _tile_stored(1, c1, 64);
+            _tile_stored(2, c2, 64);
+            _tile_stored(3, c3, 64);
+            prefill_store(j, c0, m0, 16, t);
+            prefill_store(j, c1, m0, 16, t + 1);
+            prefill_store(j, c2, m0 + 16, 16, t);
+            prefill_store(j, c3, m0 + 16, 16, t + 1);
+        }
+    }
+    for (; m0 < end; m0 += 16) {
+        const int64_t mb = end - m0 < 16 ? end - m0 : 16;
+        if (*configured != mb) amx_config(mb), *configured = mb;
         const bf16 *xb = j->x + m0 * k;
         _tile_zero(0);
         _tile_zero(3);
         for (int64_t g = 0; g < groups; g++) {
             _tile_loadd(1, xb + g * GROUP_K, k * 2);
-            _tile_loadd(2, widened + g * 512, 64);
+            _tile_loadd(2, w0 + g * 512, 64);
             _tile_dpbf16ps(0, 1, 2);
             if (pair == 2) {
-                _tile_loadd(5, widened + (groups + g) * 512, 64);
+                _tile_loadd(5, w1 + g * 512, 64);
                 _tile_dpbf16ps(3, 1, 5);
             }
         }
         _tile_stored(0, c0, 64);
-        _tile_stored(3, c1, 64);
-        for (int64_t p = 0; p < pair; p++) {
-            const float *c = p == 0 ? c0 : c1;
-            for (int64_t r = 0; r < mb; r++) {
-                __m512 out = _mm512_loadu_ps(c + r * 16);
-                if (j->bias != NULL) out = _mm512_add_ps(out, load16_bf16(j->bias + (t + p) * 16));
-                _mm256_storeu_si256((__m256i *)(j->y + (m0 + r) * j->n_out + (t + p) * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(out));
-            }
+        prefill_store(j, c0, m0, mb, t);
+        if (pair == 2) {
+            _tile_stored(3, c1, 64);
+            prefill_store(j, c1, m0, mb, t + 1);
+        }
+    }
+}
+
+/* One chunk of ts_q4_prefill_matmul: `pairs_per_chunk` pairs of output tiles, their weights widened
+ * once, for every row. The rows go in blocks of PREFILL_ROW_BLOCK, each block through all the
+ * chunk's pairs before the next, so a block's activations are read from memory once per chunk and
+ * from L2 after that (one pair a chunk read all of them from memory per pair: at 1,600+ rows that,
+ * not the tile products, was the matmul's time). */
+#define PREFILL_ROW_BLOCK 256
+static void prefill_chunk(const void *arg, int64_t chunk) {
+    const prefill_job *j = (const prefill_job *)arg;
+    const int64_t k = j->k, groups = k / GROUP_K, pairs = (j->tiles + 1) / 2;
+    const int64_t p0 = chunk * j->pairs_per_chunk, p1 = p0 + j->pairs_per_chunk < pairs ? p0 + j->pairs_per_chunk : pairs;
+    const int64_t tile_elems = groups * 512;
+    bf16 *widened = widened_buffer((size_t)(2 * (p1 - p0) * tile_elems) * sizeof(bf16));
+    if (widened == NULL) abort();
+    for (int64_t t = 2 * p0; t < 2 * p1 && t < j->tiles; t++) {
+        const uint8_t *w = j->packed + t * (k / 4) * 32;
+        for (int64_t g = 0; g < groups; g++)
+            widen_q4_group_dense(w + g * 256, j->scale + (t * groups + g) * 16, j->min + (t * groups + g) * 16,
+                                 widened + (t - 2 * p0) * tile_elems + g * 512);
+    }
+    int64_t configured = -1;
+    for (int64_t m0 = 0; m0 < j->rows; m0 += PREFILL_ROW_BLOCK) {
+        const int64_t rows = j->rows - m0 < PREFILL_ROW_BLOCK ? j->rows - m0 : PREFILL_ROW_BLOCK;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t t = 2 * p, pair = j->tiles - t >= 2 ? 2 : 1;
+            const bf16 *w0 = widened + (t - 2 * p0) * tile_elems;
+            prefill_rows(j, m0, rows, t, pair, w0, w0 + tile_elems, &configured);
         }
     }
     _tile_release();
-    free(widened);
 }
 #endif
 
 void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
                           const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
 #if defined(TS_AMX)
-    const int64_t tiles = n_out / TILE_N;
-    const prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y};
-    parallel_chunks(prefill_chunk, &job, (tiles + 1) / 2);
+    const int64_t tiles = n_out / TILE_N, pairs = (tiles + 1) / 2;
+    /* Pairs a chunk: widened weights of at most ~256 KB (they stay in L2 beside a row block), at
+     * least 4 chunks a thread for balance, and one pair a chunk for a few rows (nothing to reuse). */
+    int64_t per = (768 << 10) / (2 * k * TILE_N * (int64_t)sizeof(bf16));
+    const int64_t balance = pairs / (4 * (int64_t)pool_threads);
+    per = per < balance ? per : balance;
+    per = rows < 64 || per < 1 ? 1 : per;
+    const prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y, per};
+    parallel_chunks(prefill_chunk, &job, (pairs + per - 1) / per);
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)min, (void)bias, (void)n_out, (void)y;
 #endif
@@ -1289,7 +1389,7 @@ static void prompt_tile_chunk(const void *arg, int64_t chunk) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    load_tile_config(&cfg);
     for (int64_t n = first; n < first + PA_TILES_PER_CHUNK && n < j->row_tiles; n++) prompt_tile(j, g, j->row_tiles - 1 - n);
     _tile_release();
 }
