@@ -180,6 +180,33 @@ def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
         assert torch.equal(layer.prefill_matmul(x[start : start + rows]), full[start : start + rows])
 
 
+@pytest.mark.parametrize("rows", [1, 17, 40, 300, 600])
+def test_int4_prompt_rows_silu_fused_equals_matmul_then_silu_bit_for_bit(rows: int) -> None:
+    """Prompt rows of a gate|up linear through the fused SiLU x up epilogue give exactly the bits of
+    the gate|up product followed by the SiLU x up kernel, at row counts on every path of the kernel
+    (16-row tails, 2 x 2 tiles, several row blocks), with a bias too."""
+    if cpu_kernels.amx() is None:
+        pytest.skip(
+            f"needs AMX (Intel Sapphire Rapids or later); this CPU's tile ISA: {cpu_kernels.tile_isa()}"
+        )
+    lib = cpu_kernels.load()
+    assert lib is not None
+    inter, k = 96, 576
+    gate, up = _blocks("Q4_1", inter, k, seed=21), _blocks("Q4_1", inter, k, seed=22)
+    parts = [WeightSource(dequantize_tensor(t), int4_from_blocks(t)) for t in (gate, up)]
+    bias = torch.randn(2 * inter, generator=torch.Generator().manual_seed(23))
+    for b in (None, bias):
+        layer = Linear(fuse(parts), b, "int4", "int4")
+        assert layer.fuses_silu() and layer.amx4 is not None
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        gu = layer.prefill_matmul(x).contiguous()
+        want = torch.empty(rows, inter, dtype=torch.bfloat16)
+        lib.ts_silu_mul(cpu_kernels.ptr(gu), cpu_kernels.ptr(want), rows, inter)
+        got = torch.empty(rows, inter, dtype=torch.bfloat16)
+        layer.amx4.prefill_silu_matmul(x, got)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_real_model_int4_groups_are_exactly_its_weights(smol: LoadedModel) -> None:
     """Every Q4_1 tensor of the default model (Q/K rows already back in HF order) becomes int4 groups
     that stand for exactly the dequantized fp32 weight: no re-quantization anywhere."""

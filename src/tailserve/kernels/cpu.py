@@ -31,7 +31,7 @@ from tailserve.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 5
+ABI_VERSION = 6
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 # Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
@@ -63,6 +63,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_q8_matmul": [_P, _I, _I, _P, _P, _I, _P],
     "ts_q4_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_q4_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
+    "ts_q4_prefill_silu_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_pack_q4": [_P, _I, _I, _P],
     "ts_apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
 }

@@ -34,7 +34,7 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 5; }
+int ts_abi_version(void) { return 6; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
@@ -890,7 +890,9 @@ typedef struct {
     const float *scale, *min;
     const bf16 *bias;
     bf16 *y;
-    int64_t pairs_per_chunk;
+    int64_t pairs, pairs_per_chunk;
+    int64_t second; /* a pair's second tile: 1 after its first, or the gate's tile count (silu) */
+    int silu;       /* y = silu(gate) * up, the tiles of a pair being one gate tile and its up tile */
 } prefill_job;
 
 /* 32 rows x 16 outputs per C tile pair: tiles 0-3 are C (row half r, output tile p at 2 r + p),
@@ -915,6 +917,41 @@ static inline void prefill_store(const prefill_job *j, const float *c, int64_t m
     }
 }
 
+/* The same value through bf16 and back: what a bf16 tensor holds. */
+static inline __m512 round_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* Output tile t of y = silu(gate) * up from gate tile t's and up tile t + second's float32 results:
+ * each rounded to bf16 first (+ bias), then silu_mul_rows' arithmetic, so the bits are those of the
+ * gate|up matmul followed by ts_silu_mul. */
+static inline void prefill_store_silu(const prefill_job *j, const float *cg, const float *cu, int64_t m0, int64_t rows,
+                                      int64_t t) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 g = _mm512_loadu_ps(cg + r * 16), u = _mm512_loadu_ps(cu + r * 16);
+        if (j->bias != NULL) {
+            g = _mm512_add_ps(g, load16_bf16(j->bias + t * 16));
+            u = _mm512_add_ps(u, load16_bf16(j->bias + (t + j->second) * 16));
+        }
+        g = round_bf16(g);
+        u = round_bf16(u);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        store16_bf16(j->y + (m0 + r) * j->n_out + t * 16, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
+    }
+}
+
+/* A pair's two 16-row results: stored as tiles t and t + second, or as silu(gate) * up at tile t. */
+static inline void prefill_pair_out(const prefill_job *j, const float *ca, const float *cb, int64_t m0, int64_t rows,
+                                    int64_t t) {
+    if (j->silu) {
+        prefill_store_silu(j, ca, cb, m0, rows, t);
+    } else {
+        prefill_store(j, ca, m0, rows, t);
+        prefill_store(j, cb, m0, rows, t + j->second);
+    }
+}
+
 /* A grow-only buffer per thread for a chunk's widened weights (see scratch_buf below). */
 static __thread struct {
     void *data;
@@ -930,7 +967,7 @@ static bf16 *widened_buffer(size_t bytes) {
     return (bf16 *)widened_scratch.data;
 }
 
-/* Rows m0 .. m0 + rows - 1 of output tiles t, t + 1 (pair 2) or t alone (pair 1) from their widened
+/* Rows m0 .. m0 + rows - 1 of output tiles t, t + second (pair 2) or t alone (pair 1) from their widened
  * weights w0 / w1: 32 rows at a time through four C tiles (two row halves x the pair: each A and B
  * tile loaded once for two products), the last < 32 rows (or a lone tile) 16 at a time through two.
  * Each output's sum runs over the groups in order in one C tile either way: the same bits for any
@@ -962,10 +999,8 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
             _tile_stored(1, c1, 64);
             _tile_stored(2, c2, 64);
             _tile_stored(3, c3, 64);
-            prefill_store(j, c0, m0, 16, t);
-            prefill_store(j, c1, m0, 16, t + 1);
-            prefill_store(j, c2, m0 + 16, 16, t);
-            prefill_store(j, c3, m0 + 16, 16, t + 1);
+            prefill_pair_out(j, c0, c1, m0, 16, t);
+            prefill_pair_out(j, c2, c3, m0 + 16, 16, t);
         }
     }
     for (; m0 < end; m0 += 16) {
@@ -984,10 +1019,11 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
             }
         }
         _tile_stored(0, c0, 64);
-        prefill_store(j, c0, m0, mb, t);
         if (pair == 2) {
             _tile_stored(3, c1, 64);
-            prefill_store(j, c1, m0, mb, t + 1);
+            prefill_pair_out(j, c0, c1, m0, mb, t);
+        } else {
+            prefill_store(j, c0, m0, mb, t);
         }
     }
 }
@@ -1000,23 +1036,26 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
 #define PREFILL_ROW_BLOCK 256
 static void prefill_chunk(const void *arg, int64_t chunk) {
     const prefill_job *j = (const prefill_job *)arg;
-    const int64_t k = j->k, groups = k / GROUP_K, pairs = (j->tiles + 1) / 2;
+    const int64_t k = j->k, groups = k / GROUP_K, pairs = j->pairs;
     const int64_t p0 = chunk * j->pairs_per_chunk, p1 = p0 + j->pairs_per_chunk < pairs ? p0 + j->pairs_per_chunk : pairs;
-    const int64_t tile_elems = groups * 512;
+    const int64_t tile_elems = groups * 512, step = j->silu ? 1 : 2;
     bf16 *widened = widened_buffer((size_t)(2 * (p1 - p0) * tile_elems) * sizeof(bf16));
     if (widened == NULL) abort();
-    for (int64_t t = 2 * p0; t < 2 * p1 && t < j->tiles; t++) {
-        const uint8_t *w = j->packed + t * (k / 4) * 32;
-        for (int64_t g = 0; g < groups; g++)
-            widen_q4_group_dense(w + g * 256, j->scale + (t * groups + g) * 16, j->min + (t * groups + g) * 16,
-                                 widened + (t - 2 * p0) * tile_elems + g * 512);
-    }
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t half = 0; half < 2; half++) {
+            const int64_t t = step * p + half * j->second;
+            if (t >= j->tiles) continue;
+            const uint8_t *w = j->packed + t * (k / 4) * 32;
+            for (int64_t g = 0; g < groups; g++)
+                widen_q4_group_dense(w + g * 256, j->scale + (t * groups + g) * 16, j->min + (t * groups + g) * 16,
+                                     widened + (2 * (p - p0) + half) * tile_elems + g * 512);
+        }
     int64_t configured = -1;
     for (int64_t m0 = 0; m0 < j->rows; m0 += PREFILL_ROW_BLOCK) {
         const int64_t rows = j->rows - m0 < PREFILL_ROW_BLOCK ? j->rows - m0 : PREFILL_ROW_BLOCK;
         for (int64_t p = p0; p < p1; p++) {
-            const int64_t t = 2 * p, pair = j->tiles - t >= 2 ? 2 : 1;
-            const bf16 *w0 = widened + (t - 2 * p0) * tile_elems;
+            const int64_t t = step * p, pair = t + j->second < j->tiles ? 2 : 1;
+            const bf16 *w0 = widened + 2 * (p - p0) * tile_elems;
             prefill_rows(j, m0, rows, t, pair, w0, w0 + tile_elems, &configured);
         }
     }
@@ -1024,20 +1063,40 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
 }
 #endif
 
+#if defined(TS_AMX)
+/* Pairs a chunk: widened weights of at most ~768 KB (they stay in L2 beside a row block), at least
+ * 4 chunks a thread for balance, and one pair a chunk for a few rows (nothing to reuse). */
+static void prefill_run(prefill_job *job) {
+    int64_t per = (768 << 10) / (2 * job->k * TILE_N * (int64_t)sizeof(bf16));
+    const int64_t balance = job->pairs / (4 * (int64_t)pool_threads);
+    per = per < balance ? per : balance;
+    job->pairs_per_chunk = job->rows < 64 || per < 1 ? 1 : per;
+    parallel_chunks(prefill_chunk, job, (job->pairs + job->pairs_per_chunk - 1) / job->pairs_per_chunk);
+}
+#endif
+
 void ts_q4_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
                           const float *min, const bf16 *bias, int64_t n_out, bf16 *y) {
 #if defined(TS_AMX)
-    const int64_t tiles = n_out / TILE_N, pairs = (tiles + 1) / 2;
-    /* Pairs a chunk: widened weights of at most ~256 KB (they stay in L2 beside a row block), at
-     * least 4 chunks a thread for balance, and one pair a chunk for a few rows (nothing to reuse). */
-    int64_t per = (768 << 10) / (2 * k * TILE_N * (int64_t)sizeof(bf16));
-    const int64_t balance = pairs / (4 * (int64_t)pool_threads);
-    per = per < balance ? per : balance;
-    per = rows < 64 || per < 1 ? 1 : per;
-    const prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y, per};
-    parallel_chunks(prefill_chunk, &job, (pairs + per - 1) / per);
+    const int64_t tiles = n_out / TILE_N;
+    prefill_job job = {x, rows, k, n_out, tiles, packed, scale, min, bias, y, (tiles + 1) / 2, 1, 1, 0};
+    prefill_run(&job);
 #else
     (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)min, (void)bias, (void)n_out, (void)y;
+#endif
+}
+
+/* act [rows, inter] = bf16(silu(gate) * up) of the prompt rows' gate|up product, the weights' first
+ * inter outputs the gate's and the next inter the up's (inter % 16 == 0): the same bits as
+ * ts_q4_prefill_matmul into [rows, 2 inter] then ts_silu_mul, without writing or reading the product. */
+void ts_q4_prefill_silu_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *packed, const float *scale,
+                               const float *min, const bf16 *bias, int64_t inter, bf16 *act) {
+#if defined(TS_AMX)
+    const int64_t half = inter / TILE_N;
+    prefill_job job = {x, rows, k, inter, 2 * half, packed, scale, min, bias, act, half, 1, half, 1};
+    prefill_run(&job);
+#else
+    (void)x, (void)rows, (void)k, (void)packed, (void)scale, (void)min, (void)bias, (void)inter, (void)act;
 #endif
 }
 

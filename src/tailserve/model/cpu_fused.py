@@ -107,7 +107,7 @@ class FusedCpuForward:
         cos_p, sin_p, pos_p, slot_p = ptr(self.cos_half), ptr(self.sin_half), ptr(positions), ptr(slots)
         h_p, x_p = ptr(h), ptr(x)
         prompts = self._prompt_queries(meta)
-        q_size, inter = self.q_size, self.inter
+        q_size = self.q_size
         for i, layer in enumerate(layers):
             k_cache, v_cache = kv_caches[i]
             qkv = layer.qkv(x, d).contiguous()
@@ -132,14 +132,29 @@ class FusedCpuForward:
                 )  # fmt: skip
             o = self._reduce(layer.o(attn.view(t, q_size), d))
             lib.ts_add_rms_norm(h_p, ptr(o), o.stride(0), ptr(layer.post_norm), x_p, t, dim, eps)
-            gu = layer.gate_up(x, d).contiguous()
-            act = torch.empty(t, inter, dtype=torch.bfloat16)
-            lib.ts_silu_mul(ptr(gu), ptr(act), t, inter)
+            act = self._silu_gate_up(layer, x, d)
             down = self._reduce(layer.down(act, d))
             nxt = ptr(layers[i + 1].input_norm) if i + 1 < len(layers) else None
             lib.ts_add_rms_norm(h_p, ptr(down), down.stride(0), nxt, x_p, t, dim, eps)
         out = F.rms_norm(h.index_select(0, logits_indices), (dim,), model.norm, eps)
         return model.head_logits(out)
+
+    def _silu_gate_up(self, layer: DecoderLayer, x: torch.Tensor, d: int) -> torch.Tensor:
+        """silu(gate) * up of the normed rows x: prompt rows straight from the AMX int4 kernel where it
+        runs them (the product never written), the rest as the gate|up matmul then SiLU x up. Same bits."""
+        t, inter, gate_up = x.shape[0], self.inter, layer.gate_up
+        act = torch.empty(t, inter, dtype=torch.bfloat16)
+        split = gate_up.prompt_rows_from(d, t)
+        if split >= t or not gate_up.fuses_silu():
+            gu = gate_up(x, d).contiguous()
+            self.lib.ts_silu_mul(ptr(gu), ptr(act), t, inter)
+            return act
+        if split:
+            gu = gate_up.decode_matmul(x[:split]).contiguous()
+            self.lib.ts_silu_mul(ptr(gu), ptr(act), split, inter)
+        assert gate_up.amx4 is not None
+        gate_up.amx4.prefill_silu_matmul(x[split:], act[split:])
+        return act
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism, the row-parallel partial sums added over ranks in float32 and

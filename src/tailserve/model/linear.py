@@ -108,13 +108,29 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
         """x [T, K] contiguous, in the activation dtype; rows [0, num_decodes) are decodes."""
+        split = self.prompt_rows_from(num_decodes, x.shape[0])
+        if split == 0:
+            return self.prefill_matmul(x)
+        if split >= x.shape[0]:
+            return self.decode_matmul(x)
+        return torch.cat([self.decode_matmul(x[:split]), self.prefill_matmul(x[split:])])
+
+    def prompt_rows_from(self, num_decodes: int, rows: int) -> int:
+        """The first of `rows` rows that `forward` runs on the prompt-row kernel (`rows`: none); the
+        rows before it run on the decode kernel."""
         dense_decodes = self.dense_decode_from_rows is not None and num_decodes >= self.dense_decode_from_rows
         same = self.decode_kernel == self.prefill_kernel and self.weight is not None
-        if same or num_decodes == 0 or dense_decodes:
-            return self.prefill_matmul(x)
-        if num_decodes >= x.shape[0]:
-            return self.decode_matmul(x)
-        return torch.cat([self.decode_matmul(x[:num_decodes]), self.prefill_matmul(x[num_decodes:])])
+        return 0 if same or num_decodes == 0 or dense_decodes else min(num_decodes, rows)
+
+    def fuses_silu(self) -> bool:
+        """Whether this (gate|up) linear's prompt rows can come out as silu(gate) * up straight from
+        the AMX int4 kernel (`AmxInt4.prefill_silu_matmul`): int4 prompt rows, halves of 16-output tiles."""
+        return (
+            self.weight is None
+            and self.amx4 is not None
+            and self.out_features % (2 * 16) == 0
+            and self.amx4.scale.shape[0] * 16 == self.out_features
+        )
 
     def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous through the prompt-row kernel: the dense copy, or the AMX int4 widening."""

@@ -277,6 +277,17 @@ class AmxInt4:
         values, without the copy), float32 sums over all of K. -> [M, N] bf16."""
         return self._run(self.lib.ts_q4_prefill_matmul, self.min, x)
 
+    def prefill_silu_matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Prompt rows of a gate|up product (gate the first half of the outputs, up the second) into
+        out [M, N/2] bf16 as silu(gate) * up, with the bits of `prefill_matmul` then SiLU x up in the
+        fused kernels, never writing the product itself. Needs N/2 a multiple of 16 (no padding)."""
+        inter = self.out_features // 2
+        assert self.scale.shape[0] * _TILE_N == self.out_features and inter % _TILE_N == 0
+        bias = None if self.bias is None else ptr(self.bias)
+        self.lib.ts_q4_prefill_silu_matmul(
+            ptr(x), x.shape[0], self.in_features, ptr(self.packed), ptr(self.scale), ptr(self.min), bias, inter, ptr(out)
+        )
+
     def _run(self, kernel: Any, minimum: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
         y = torch.empty(m, padded, dtype=torch.bfloat16)
