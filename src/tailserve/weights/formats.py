@@ -285,7 +285,15 @@ class AmxInt4:
         assert self.scale.shape[0] * _TILE_N == self.out_features and inter % _TILE_N == 0
         bias = None if self.bias is None else ptr(self.bias)
         self.lib.ts_q4_prefill_silu_matmul(
-            ptr(x), x.shape[0], self.in_features, ptr(self.packed), ptr(self.scale), ptr(self.min), bias, inter, ptr(out)
+            ptr(x),
+            x.shape[0],
+            self.in_features,
+            ptr(self.packed),
+            ptr(self.scale),
+            ptr(self.min),
+            bias,
+            inter,
+            ptr(out),
         )
 
     def _run(self, kernel: Any, minimum: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
