@@ -90,6 +90,34 @@ def tailserve(
     )
 
 
+def tailserve_at_defaults(
+    port: int,
+    threads: int,
+    extra_args: tuple[str, ...] = (),
+    model: str = "default",
+    prefix_caching: bool = False,
+    key: str = "tailserve",
+    label: str = "tailserve",
+) -> ServerSpec:
+    """`tailserve serve` at its own defaults (scheduler, step budget, admission, KV pool) but for
+    the engine threads, prefix caching (off unless asked) and `extra_args`."""
+    command = [str(TAILSERVE), "serve", "--model", model, "--port", str(port), "--num-threads", str(threads)]
+    command += [] if prefix_caching else ["--no-prefix-caching"]
+    command += ["--log-level", "warning", *extra_args]
+    caching = "prefix caching on" if prefix_caching else "prefix caching off"
+    flags = f", extra flags `{' '.join(extra_args)}`" if extra_args else ""
+    return ServerSpec(
+        key=key,
+        label=label,
+        command=command,
+        env=thread_env(threads),
+        ready_path="/ready",
+        bench_args=[],
+        extra_body=GREEDY,
+        notes=f"its defaults, {threads} engine thread(s), {caching}{flags}",
+    )
+
+
 # `transformers serve` with continuous batching's block sharing (its prefix cache) off unless
 # BLOCK_SHARING=1. Benchmarks repeat the same seeded prompts, so a prefix cache would serve later
 # runs from memory; the CLI has no flag for it. Every server runs without one (tailserve
@@ -176,19 +204,31 @@ def llamacpp(
 
 
 def vllm_cpu(
-    port: int, limits: Limits, max_model_len: int = 4096, kv_cache_gib: int = 2, prefix_caching: bool = False
+    port: int,
+    limits: Limits,
+    max_model_len: int = 4096,
+    kv_cache_gib: int = 2,
+    prefix_caching: bool = False,
+    scheduler_limits: bool = True,
+    extra_args: tuple[str, ...] = (),
+    key: str = "vllm",
+    label: str = "vLLM CPU engine (bf16)",
 ) -> ServerSpec:
     """vLLM's CPU engine on the HF copy, cast to bf16. Its OpenMP threads are pinned to cores
     0..threads-1; the `vllm` console script fails (the metadata is named `vllm-cpu`), so the API
-    server module is run directly. Ready after ~110 s on the 2-core box."""
+    server module is run directly. Ready after ~110 s on the 2-core box. `scheduler_limits=False`
+    leaves --max-num-seqs and --max-num-batched-tokens at vLLM's defaults (128 and 2048 on CPU)
+    unless `extra_args` sets them."""
     command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR)]
     command += ["--served-model-name", "smollm2-135m", "--dtype", "bfloat16"]
-    command += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(limits.max_seqs)]
-    command += ["--max-num-batched-tokens", str(limits.step_tokens)]
+    command += ["--max-model-len", str(max_model_len)]
+    if scheduler_limits:
+        command += ["--max-num-seqs", str(limits.max_seqs)]
+        command += ["--max-num-batched-tokens", str(limits.step_tokens)]
     command += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if prefix_caching:  # so usage says how many prompt tokens were cached
         command += ["--enable-prompt-tokens-details"]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
     env = {
         **thread_env(limits.threads),
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
@@ -196,9 +236,15 @@ def vllm_cpu(
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
+    scheduler = (
+        f"at most {limits.max_seqs} sequences, {limits.step_tokens} tokens a step"
+        if scheduler_limits
+        else "its default sequences and tokens a step"
+    )
+    flags = f", extra flags `{' '.join(extra_args)}`" if extra_args else ""
     return ServerSpec(
-        key="vllm",
-        label="vLLM CPU engine (bf16)",
+        key=key,
+        label=label,
         command=command,
         env=env,
         ready_path="/health",
@@ -206,7 +252,7 @@ def vllm_cpu(
         extra_body=GREEDY,
         notes=(
             f"vllm-cpu 0.32.0, bf16, {kv_cache_gib} GiB KV (VLLM_CPU_KVCACHE_SPACE), {limits.threads} "
-            f"OpenMP thread(s) pinned, at most {limits.max_seqs} sequences, {limits.step_tokens} tokens a step, "
-            f"prefix caching {'on (hashed full blocks)' if prefix_caching else 'off'}"
+            f"OpenMP thread(s) pinned, {scheduler}, "
+            f"prefix caching {'on (hashed full blocks)' if prefix_caching else 'off'}{flags}"
         ),
     )

@@ -81,6 +81,7 @@ class ClientLoad:
     request_rate: float = math.inf
     max_concurrency: int | None = None
     seed: int = 0
+    num_warmups: int = 0  # sent before the measured prompts (vLLM repeats its first prompt), not counted
     # Prompts to send in file order instead of random ones, the same as another client's: a ShareGPT-style
     # JSON list of {"conversations": [{"from": "human", "value": PROMPT}, {"from": "gpt", "value": ""}]}
     # (vLLM's `sharegpt` reader, sent as is; its `custom` JSONL reader needs pandas, which vLLM's CPU
@@ -96,6 +97,8 @@ class ClientLoad:
             raise ValueError(f"request_rate must be positive (inf for all at once), got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups must be at least 0, got {self.num_warmups}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +167,8 @@ def bench_command(
     command += ["--ignore-eos", "--temperature", "0", "--request-rate", f"{load.request_rate:g}"]
     if load.max_concurrency is not None:
         command += ["--max-concurrency", str(load.max_concurrency)]
+    if load.num_warmups:
+        command += ["--num-warmups", str(load.num_warmups)]
     command += ["--tokenizer", str(tokenizer), "--percentile-metrics", ",".join(PERCENTILE_METRICS)]
     command += ["--metric-percentiles", ",".join(str(p) for p in PERCENTILES), "--disable-tqdm"]
     # --save-detailed keeps each request's TTFT and ITLs: intervals on the percentiles need them
