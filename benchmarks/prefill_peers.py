@@ -88,6 +88,7 @@ class Figures:
     ttft_p90_ci: Interval
     prefill_tok_s: float  # length / median TTFT
     prefill_tok_s_ci: Interval  # from the median's interval, ends swapped
+    prompt_tokens_mean: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,7 @@ def figures(m: Measurement) -> Figures | None:
         ttft_p90_ci=summary.p90_ci,
         prefill_tok_s=m.length / summary.p50,
         prefill_tok_s_ci=(_over(m.length, hi), _over(m.length, lo)),
+        prompt_tokens_mean=m.prompt_tokens_mean,
     )
 
 
@@ -196,12 +198,14 @@ def markdown(doc: dict[str, Any]) -> str:
         "One request at a time, one output token; TTFT in ms, median and P90 (nearest rank) with 95% intervals; "
         "prefill tok/s = prompt length / median TTFT.",
         "",
-        "| server | length | client | n (failed) | TTFT median ms | TTFT P90 ms | prefill tok/s |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| server | length | client | prompt tokens sent (mean) | n (failed) | TTFT median ms | TTFT P90 ms "
+        "| prefill tok/s |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for f in rows:
         lines.append(
-            f"| {labels.get(f.server, f.server)} | {f.length} | {f.client} | {f.n} ({f.failed}) "
+            f"| {labels.get(f.server, f.server)} | {f.length} | {f.client} | {num(f.prompt_tokens_mean, 1)} "
+            f"| {f.n} ({f.failed}) "
             f"| {ms(f.ttft_median_s)} {ms_ci(f.ttft_median_ci)} | {ms(f.ttft_p90_s)} {ms_ci(f.ttft_p90_ci)} "
             f"| {num(f.prefill_tok_s)} |"
         )
@@ -385,12 +389,15 @@ def read_vllm_detailed(doc: dict[str, Any], server: str, length: int) -> Measure
     )
 
 
-def measure_server(config: ServerConfig, plan: Plan, out_dir: Path) -> tuple[ServerSpec, list[Measurement]]:
+def measure_server(
+    config: ServerConfig, plan: Plan, out_dir: Path
+) -> tuple[ServerSpec, float | None, list[Measurement]]:
     """Start the server, run every length by every client (the same seeds on every server, so each
     server gets the same prompts), stop it. A client that fails is recorded and the run goes on."""
     port = free_port()
     spec = server_spec(config, port, plan)
     found: list[Measurement] = []
+    ready_s: float | None = None
     log(f"{config.key}: starting `{' '.join(spec.command)}`")
     try:
         with ServerProcess(
@@ -416,7 +423,7 @@ def measure_server(config: ServerConfig, plan: Plan, out_dir: Path) -> tuple[Ser
         found.append(
             Measurement(config.key, config.engine, "-", 0, [], 0, None, f"{type(exc).__name__}: {exc}")
         )
-    return spec, found
+    return spec, ready_s, found
 
 
 def log(message: str) -> None:
@@ -544,10 +551,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "measurements": [],
     }
     for config in configs:
-        spec, found = measure_server(config, plan, out)
+        spec, ready_s, found = measure_server(config, plan, out)
         doc["servers"].append(
             {"key": spec.key, "engine": config.engine, "label": spec.label, "command": shlex.join(spec.command),
-             "env": spec.env, "notes": spec.notes}
+             "env": spec.env, "notes": spec.notes, "ready_s": ready_s}
         )  # fmt: skip
         doc["measurements"] += [dataclasses.asdict(m) for m in found]
         doc["load_end"] = [round(x, 2) for x in os.getloadavg()]

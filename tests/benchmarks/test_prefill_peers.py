@@ -89,7 +89,7 @@ def test_the_table_shows_figures_ratios_and_the_two_clients_side_by_side() -> No
         "ratios": [{**dataclasses.asdict(r), "verdict": r.verdict} for r in prefill_peers.ratios(rows)],
     }  # fmt: skip
     text = prefill_peers.markdown(doc)
-    assert "| tailserve defaults | 512 | vllm-bench | 30 (0) | 50.0 [" in text
+    assert "| tailserve defaults | 512 | vllm-bench | 512.0 | 30 (0) | 50.0 [" in text
     assert "| 10240 |" in text  # 512 tokens / 50 ms
     assert "| 512 | tailserve defaults | 2.00x [" in text and "(vLLM defaults) | **met** |" in text
     cross = next(line for line in text.splitlines() if line.startswith("| tailserve defaults | 512 | 51.0"))
