@@ -3,7 +3,8 @@
 the same server: `tailserve bench` and vLLM's own `vllm bench serve` (--save-detailed).
 
 One server at a time, each on the whole box: tailserve at its defaults (plus each --tailserve-config),
-then vLLM's CPU engine at its defaults and at each --vllm-batched-tokens. Per prompt length: one
+then vLLM's CPU engine at its defaults, at each --vllm-batched-tokens and each --vllm-config (flags,
+and leading NAME=VALUE for its environment, e.g. its thread binding). Per prompt length: one
 request at a time, one output token, --requests measured after --warmups, from each client in turn.
 Prefix caching is off on every server and every prompt is new, so no prompt is served from a cache.
 Per server, length and client: TTFT median and P90 with 95% intervals (bench/intervals.py),
@@ -51,11 +52,23 @@ class ServerConfig:
     key: str
     engine: str  # "tailserve" | "vllm"
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # set over the launcher's (e.g. VLLM_CPU_OMP_THREADS_BIND)
 
     @property
     def label(self) -> str:
         name = "tailserve" if self.engine == "tailserve" else "vLLM"
-        return f"{name} {' '.join(self.extra_args)}" if self.extra_args else f"{name} defaults"
+        changes = [f"{k}={v}" for k, v in self.env] + list(self.extra_args)
+        return f"{name} {' '.join(changes)}" if changes else f"{name} defaults"
+
+    @classmethod
+    def parse(cls, key: str, engine: str, text: str) -> ServerConfig:
+        """'[NAME=VALUE ...] [FLAGS]', shell-quoted: the leading assignments go to the environment."""
+        words = shlex.split(text)
+        env = []
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            name, value = words.pop(0).split("=", 1)
+            env.append((name, value))
+        return cls(key, engine, tuple(words), tuple(env))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,18 +322,20 @@ class Plan:
 def server_spec(config: ServerConfig, port: int, plan: Plan) -> ServerSpec:
     if config.engine == "tailserve":
         extra = ("--max-model-len", str(plan.max_model_len), *config.extra_args)
-        return launch.tailserve_at_defaults(
+        spec = launch.tailserve_at_defaults(
             port, plan.threads, extra, plan.model, key=config.key, label=config.label
         )
-    return launch.vllm_cpu(
-        port,
-        Limits(threads=plan.threads),
-        max_model_len=plan.max_model_len,
-        scheduler_limits=False,
-        extra_args=config.extra_args,
-        key=config.key,
-        label=config.label,
-    )
+    else:
+        spec = launch.vllm_cpu(
+            port,
+            Limits(threads=plan.threads),
+            max_model_len=plan.max_model_len,
+            scheduler_limits=False,
+            extra_args=config.extra_args,
+            key=config.key,
+            label=config.label,
+        )
+    return dataclasses.replace(spec, env={**spec.env, **dict(config.env)})
 
 
 def tailserve_bench(url: str, spec: ServerSpec, plan: Plan, length: int, seed: int, out: Path) -> Measurement:
@@ -439,8 +454,8 @@ def server_configs(args: argparse.Namespace) -> list[ServerConfig]:
 def all_configs(args: argparse.Namespace) -> list[ServerConfig]:
     configs = [ServerConfig("tailserve", "tailserve")]
     configs += [
-        ServerConfig(f"tailserve-{i}", "tailserve", tuple(shlex.split(extra)))
-        for i, extra in enumerate(args.tailserve_config, start=1)
+        ServerConfig.parse(f"tailserve-{i}", "tailserve", text)
+        for i, text in enumerate(args.tailserve_config, start=1)
     ]
     if args.smoke or args.no_vllm:
         return configs
@@ -448,6 +463,9 @@ def all_configs(args: argparse.Namespace) -> list[ServerConfig]:
     configs += [
         ServerConfig(f"vllm-{tokens}", "vllm", ("--max-num-batched-tokens", str(tokens)))
         for tokens in args.vllm_batched_tokens
+    ]
+    configs += [
+        ServerConfig.parse(f"vllm-c{i}", "vllm", text) for i, text in enumerate(args.vllm_config, start=1)
     ]
     return configs
 
@@ -472,8 +490,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="FLAGS",
-        help="another tailserve server with these flags beside its defaults, repeatable: "
-        "--tailserve-config='--max-num-batched-tokens 4096'",
+        help="another tailserve server with these flags (and leading NAME=VALUE environment) beside its "
+        "defaults, repeatable: --tailserve-config='--max-num-batched-tokens 4096'",
+    )
+    parser.add_argument(
+        "--vllm-config",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="another vLLM server, as --tailserve-config: --vllm-config='VLLM_CPU_OMP_THREADS_BIND=nobind'",
     )
     parser.add_argument(
         "--vllm-batched-tokens",

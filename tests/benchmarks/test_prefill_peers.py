@@ -104,16 +104,23 @@ def test_vllm_detailed_result_counts_failed_requests_and_the_prompt_lengths_sent
 
 def test_vllm_runs_at_its_defaults_and_at_each_step_budget_asked() -> None:
     args = prefill_peers.parse_args(
-        ["--vllm-batched-tokens", "4096,8192", "--tailserve-config=--max-num-batched-tokens 4096"]
-    )
+        [
+            "--vllm-batched-tokens", "4096,8192", "--tailserve-config=--max-num-batched-tokens 4096",
+            "--vllm-config=VLLM_CPU_OMP_THREADS_BIND=nobind --max-num-batched-tokens 4096",
+        ]
+    )  # fmt: skip
     configs = prefill_peers.server_configs(args)
-    assert [c.key for c in configs] == ["tailserve", "tailserve-1", "vllm", "vllm-4096", "vllm-8192"]
+    keys = ["tailserve", "tailserve-1", "vllm", "vllm-4096", "vllm-8192", "vllm-c1"]
+    assert [c.key for c in configs] == keys
     plan = prefill_peers.plan_for(args)
     assert plan.lengths == (512, 1600, 4000) and plan.threads == 2
     default, at_4096 = (prefill_peers.server_spec(c, 8000, plan) for c in configs[2:4])
     assert "--max-num-batched-tokens" not in default.command and "--max-num-seqs" not in default.command
     assert at_4096.command[-2:] == ["--max-num-batched-tokens", "4096"]
     assert default.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    unbound = prefill_peers.server_spec(configs[5], 8000, plan)
+    assert unbound.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and unbound.command[-1] == "4096"
+    assert unbound.label == "vLLM VLLM_CPU_OMP_THREADS_BIND=nobind --max-num-batched-tokens 4096"
     ours = prefill_peers.server_spec(configs[1], 8000, plan)
     assert ours.command[-2:] == ["--max-num-batched-tokens", "4096"] and "--no-prefix-caching" in ours.command
     smoke = prefill_peers.parse_args(["--smoke", "--vllm-batched-tokens", "4096"])
