@@ -152,6 +152,10 @@ class SchedulerConfig:
     # CPU, 2+ threads: while streams decode, prompt chunks run on a thread of their own with half the
     # threads, beside the decode steps, instead of inside them (engine/prefill_lane.py).
     prefill_lane: bool = True
+    # With no stream decoding (nothing whose TPOT a long step would hurt), a step may carry up to
+    # this many prompt tokens instead of max_num_batched_tokens (the larger of the two counts; 0: the
+    # step budget). Off where prompt rows run oneDNN (kernels per row count, created before serving).
+    prefill_step_tokens: int = 2048
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -166,6 +170,7 @@ class SchedulerConfig:
             f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.policy!r}",
         )
         _require(self.max_waiting >= 1, "--max-waiting must be at least 1")
+        _require(self.prefill_step_tokens >= 0, "--prefill-step-tokens must be at least 0")
         _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be positive")
         _require(
             0.0 <= self.prefill_floor <= 1.0, f"--prefill-floor must be in [0, 1], got {self.prefill_floor}"

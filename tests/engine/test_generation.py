@@ -78,9 +78,40 @@ def test_tiny_token_budget_chunks_prefill_same_tokens(
     prompts: list[list[int]],
     reference: list[list[int]],
 ) -> None:
-    llm = LLM(config=engine_config(max_num_batched_tokens=24, max_num_seqs=16), loaded=smol)
+    llm = LLM(
+        config=engine_config(max_num_batched_tokens=24, max_num_seqs=16, prefill_step_tokens=0), loaded=smol
+    )
     assert _run(llm, prompts) == reference
     assert llm.engine.stats().steps_total > sum(len(p) for p in prompts) // 24  # prompts really were chunked
+    _assert_pool_free(llm)
+
+
+def test_prompts_with_nothing_decoding_take_one_longer_step_same_tokens(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    """With no stream decoding, a step carries up to --prefill-step-tokens of prompt (here every
+    prompt at once, against a 24-token step budget); once streams decode, prompts go back to the step
+    budget. Every token is still transformers'."""
+    llm = LLM(
+        config=engine_config(max_num_batched_tokens=24, max_num_seqs=16, prefill_step_tokens=4096),
+        loaded=smol,
+    )
+    engine, outs = llm.engine, dict[str, list[int]]()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for i, ids in enumerate(prompts[:-1]):
+        engine.add_request(f"r{i}", ids, params)
+    _collect(outs, engine.step())
+    assert engine.last_plan is not None and engine.last_plan.num_tokens == sum(len(p) for p in prompts[:-1])
+    engine.add_request(f"r{len(prompts) - 1}", prompts[-1], params)  # arrives while the others decode
+    _collect(outs, engine.step())
+    assert engine.last_plan is not None and engine.last_plan.num_decodes == len(prompts) - 1
+    assert engine.last_plan.num_tokens <= 24
+    while engine.has_unfinished():
+        _collect(outs, engine.step())
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
     _assert_pool_free(llm)
 
 

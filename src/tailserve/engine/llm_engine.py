@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tailserve.config import EngineConfig
+from tailserve.config import EngineConfig, SchedulerConfig
 from tailserve.engine.block_keys import BlockKeys
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.chunks import record_prompt_logprobs, step_chunks
@@ -96,6 +96,7 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
         self.lane = make_lane(self.runner) if config.scheduler.prefill_lane else None
         self.scheduler.lane = self.lane is not None
+        self.scheduler.idle_budget = idle_budget(self.runner, config.scheduler)
         self._lane_outputs: list[RequestOutput] = []  # from a lane chunk taken outside `step`
 
     # ----- requests -------------------------------------------------------------------------
@@ -268,6 +269,17 @@ class LLMEngine:
         call it on the thread that runs the steps."""
         budget = self.config.scheduler.max_num_batched_tokens
         return warmup.warm_runner(self.runner, budget, self.primitive_cache)
+
+
+def idle_budget(runner: ModelRunner, config: SchedulerConfig) -> int:
+    """Prompt tokens a step with no decode may carry: --prefill-step-tokens (at least the step
+    budget), except where prompt rows run oneDNN, whose kernels exist only for the row counts up to
+    the step budget (executor.warmup: larger ones would compile, and hold memory, while serving), and
+    under tensor parallelism (not measured there)."""
+    budget = config.max_num_batched_tokens
+    if runner.tp is not None or any(linear.onednn is not None for linear in runner.model.prompt_linears()):
+        return budget
+    return max(budget, config.prefill_step_tokens)
 
 
 def make_lane(runner: ModelRunner) -> PrefillLane | None:

@@ -78,6 +78,9 @@ class Scheduler:
         # they get no other work and are never preempted until the engine's `postprocess` of it.
         self.in_flight: set[str] = set()
         self.lane = False  # the engine has a prefill lane: prompt chunks never share a decode step
+        # Prompt tokens a step with no decode may carry (the engine raises it to --prefill-step-tokens
+        # where its kernels allow); the step budget otherwise.
+        self.idle_budget = config.max_num_batched_tokens
 
     def add(self, request: Request) -> None:
         # A request scoring its prompt computes it all (see _admit): it expects no hit.
@@ -111,6 +114,8 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
+        if plan.num_decodes == 0 and not self.in_flight:
+            budget = max(budget, self.idle_budget)  # no stream to protect: a longer prompt step
         if not prefill:
             plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
             return plan

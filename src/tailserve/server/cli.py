@@ -145,6 +145,13 @@ def register(subparsers: Any) -> None:
         help="per-step token budget",
     )
     s.add_argument(
+        "--prefill-step-tokens",
+        type=int,
+        default=_SCHED.prefill_step_tokens,
+        help="prompt tokens a step may carry while no stream decodes (at least the step budget; "
+        "0: the step budget). Not where prompt rows run oneDNN (CPUs without AMX) or under tensor parallelism",
+    )
+    s.add_argument(
         "--max-num-seqs", type=int, default=_SCHED.max_num_seqs, help="most requests running at once"
     )
     s.add_argument(
