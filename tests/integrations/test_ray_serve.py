@@ -19,6 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from tailserve.integrations.ray_autoscaling import POLICY_PATH  # noqa: E402
 from tailserve.integrations.ray_serve import build_app, serve_configs  # noqa: E402
 from tailserve.router.proxy import REPLICA_HEADER  # noqa: E402
 
@@ -50,6 +51,18 @@ def _wait_ready(base: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while httpx.get(f"{base}/ready", timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "replicas never ready"
+        time.sleep(0.2)
+
+
+def _engine_replicas_running(app: str) -> int:
+    status = serve.status().applications.get(app)
+    return 0 if status is None else int(status.deployments["engine"].replica_states.get("RUNNING", 0))
+
+
+def _wait_running(app: str, replicas: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while _engine_replicas_running(app) < replicas:
+        assert time.monotonic() < deadline, f"{app}: {replicas} engine replicas never ran"
         time.sleep(0.2)
 
 
@@ -202,6 +215,67 @@ def test_admission_429_passes_through_unchanged(cluster: str) -> None:
         assert 'reason="slo"' in agent and agent.rstrip().endswith("1.0"), agent
     finally:
         serve.delete("one")
+
+
+def test_ray_serve_llm_prefix_router_places_tailserve_requests(cluster: str) -> None:
+    """Ray Serve LLM's PrefixCacheAffinityRouter as the engine deployment's router
+    (router=prefix_cache_affinity): requests sharing a long system prompt all go where the first
+    went; a request without a prompt (GET /v1/models) is placed by power of two choices."""
+    args = {"model": "dummy:tiny", "no_warmup": "true", "num_cpus": 0, "num_replicas": 2}
+    serve.run(build_app({**args, "router": "prefix_cache_affinity"}), name="llm", route_prefix="/llm")
+    base = f"{cluster}/llm"
+    try:
+        _wait_running("llm", 2)
+        _wait_ready(base)
+        system = ("Answer every question in one short sentence. " * 20)[:768]
+        replicas = set()
+        for i in range(6):
+            body = {"model": "dummy-tiny", "prompt": f"{system}Question {i}?", "max_tokens": 1}
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=STEP_TIMEOUT_S)
+            assert response.status_code == 200, response.text
+            replicas.add(response.headers[REPLICA_HEADER])
+        assert len(replicas) == 1
+        models = httpx.get(f"{base}/v1/models", timeout=STEP_TIMEOUT_S)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "dummy-tiny"
+    finally:
+        serve.delete("llm")
+
+
+# Ray deprecates metrics_interval_s, but it is still what sets how often replicas report.
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+def test_queue_depth_autoscaling_adds_a_replica_when_requests_wait(cluster: str) -> None:
+    """One engine replica with one sequence slot and the queue-depth autoscaling policy: three
+    streams leave two requests waiting in the engine, so Ray starts a second replica and it runs."""
+    scaling = {
+        "min_replicas": 1,
+        "initial_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 0,
+        "look_back_period_s": 1.0,
+        "metrics_interval_s": 0.2,
+        "policy": {"policy_function": POLICY_PATH, "policy_kwargs": {"target_waiting": 1}},
+    }
+    args = {**ENGINE_ARGS, "num_cpus": 0, "max_num_seqs": 1, "slo_ttft": 1000, "autoscaling_config": scaling}
+    serve.run(build_app(args), name="scaled", route_prefix="/scaled")
+    base = f"{cluster}/scaled"
+    try:
+        _wait_ready(base)
+        assert _engine_replicas_running("scaled") == 1
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=base, timeout=STEP_TIMEOUT_S) as http:
+                body = {"model": MODEL, "prompt": "a story", "max_tokens": 1000, "ignore_eos": True}
+                streams = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
+                try:
+                    await asyncio.to_thread(_wait_running, "scaled", 2)
+                finally:
+                    for stream in streams:  # the clients leave; the replicas abort their requests
+                        stream.cancel()
+                    await asyncio.gather(*streams, return_exceptions=True)
+
+        asyncio.run(scenario())
+    finally:
+        serve.delete("scaled")
 
 
 def test_a_hot_prefix_stays_on_one_replica_and_the_rest_spreads(proxy: str) -> None:

@@ -35,6 +35,12 @@ class HttpCall:
     client: tuple[str, int] | None = None
     route: RouteRequest | None = field(default=None, compare=False)
 
+    @property
+    def prompt(self) -> str:
+        """The prompt text placement reads ("" without one): the attribute Ray Serve LLM's routers
+        look for on a call's arguments."""
+        return self.route.prompt_text if self.route is not None else ""
+
 
 @dataclass(frozen=True)
 class ResponseStart:

@@ -1,5 +1,6 @@
 """tailserve's prefix- and load-aware placement (router.policies.PrefixAffinity, the policy
-`tailserve route --policy prefix` runs) as a Ray Serve request router, for the engine deployment.
+`tailserve route --policy prefix` runs) as a Ray Serve request router, for the engine deployment;
+and Ray Serve LLM's PrefixCacheAffinityRouter made usable on it (PrefixCacheRouter).
 
 Built on Ray's alpha `RequestRouter` API (ray[serve] pinned at 2.60.0). A replica's load is its
 ongoing requests as Ray counts them (fresh: Ray adds each request it sends); the prompt comes from
@@ -8,8 +9,14 @@ the ingress's `HttpCall.route`. State is per ingress replica, as with several `t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+# Ray Serve LLM's router itself: its public path (ray.serve.llm.request_router) is a bare subclass of
+# this one whose package refuses to import without vLLM or SGLang installed; this path needs neither.
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+    PrefixCacheAffinityRouter,
+)
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tailserve.integrations.asgi_call import HttpCall
@@ -59,3 +66,27 @@ class PrefixLoadRouter(RequestRouter):  # type: ignore[misc]
         route = route_of(pending_request)
         if route is not None:
             self._policy.record(route, replica_id.unique_id)
+
+
+class PrefixCacheRouter(PrefixCacheAffinityRouter):  # type: ignore[misc]
+    """Ray Serve LLM's PrefixCacheAffinityRouter, unchanged: it reads the `prompt` of the call's
+    HttpCall (HttpCall.prompt). A call with no prompt text (a GET, a body that is not an OpenAI
+    request) goes by power of two choices, since Ray's router divides by the prompt's length."""
+
+    # Ray's router is annotated as returning list[RunningReplica]; it returns ranks, list[list[...]].
+    async def choose_replicas(  # type: ignore[override]
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        route = route_of(pending_request)
+        if route is None or not route.prompt_text:
+            power_of_two = PowerOfTwoChoicesRequestRouter.choose_replicas
+            return await power_of_two(self, candidate_replicas, pending_request)  # type: ignore[arg-type]
+        return cast(
+            list[list[RunningReplica]], await super().choose_replicas(candidate_replicas, pending_request)
+        )
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Ray's router inserts the prompt into its prefix tree; nothing to insert without one."""
+        route = route_of(pending_request)
+        if route is not None and route.prompt_text:
+            super().on_request_routed(pending_request, replica_id, result)

@@ -31,8 +31,9 @@ from tailserve.config import EngineConfig
 from tailserve.engine import AsyncEngine
 from tailserve.http.sse import SSEResponse
 from tailserve.integrations.asgi_call import HttpCall, ResponseStart, call_app
+from tailserve.integrations.ray_autoscaling import RUNNING, SLOTS, WAITING
 from tailserve.integrations.ray_metrics import ReplicaMetrics
-from tailserve.integrations.ray_router import PrefixLoadRouter
+from tailserve.integrations.ray_router import PrefixCacheRouter, PrefixLoadRouter
 from tailserve.router.proxy import REPLICA_HEADER, error_response, forwardable
 from tailserve.router.request_info import route_request
 from tailserve.router.sse import error_events
@@ -50,8 +51,10 @@ DEPLOYMENT_KEYS = (
     "ingress_replicas",
     "metrics_interval_s",
     "router",
+    "autoscaling_config",
 )
-ROUTERS = ("prefix", "ray")  # tailserve's PrefixLoadRouter (default), or Ray's power of two choices
+# tailserve's PrefixLoadRouter (default), Ray's power of two choices, Ray Serve LLM's prefix router.
+ROUTERS = {"prefix": PrefixLoadRouter, "ray": None, "prefix_cache_affinity": PrefixCacheRouter}
 ATTEMPTS = 3  # replicas tried for a request that none has started (one gone is the usual case)
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 Replies = DeploymentResponseGenerator[ResponseStart | bytes]  # what `EngineReplica.forward` yields
@@ -82,7 +85,9 @@ class EngineReplica:
     def __init__(
         self, engine_config: EngineConfig, server_config: ServerConfig, metrics_interval_s: float = 5.0
     ) -> None:
-        self._app = create_app(AsyncEngine(engine_config), server_config)
+        self._engine = AsyncEngine(engine_config)
+        self._slots = engine_config.scheduler.max_num_seqs
+        self._app = create_app(self._engine, server_config)
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._metrics = ReplicaMetrics()
         self._exporting = asyncio.get_running_loop().create_task(self._export_every(metrics_interval_s))
@@ -106,6 +111,16 @@ class EngineReplica:
         shown.update({f"{name}{{{label}}}": total for (name, label), total in page.counters.items()})
         shown.update({f"{name}_count": rows[-1][1] for name, rows in page.buckets.items()})
         return shown
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray's custom autoscaling metrics hook: the engine's queue as of its last step, for
+        ray_autoscaling.QueueDepthPolicy."""
+        stats = self._engine.stats()
+        return {
+            WAITING: float(stats.num_waiting),
+            RUNNING: float(stats.num_running),
+            SLOTS: float(self._slots),
+        }
 
     async def _export_every(self, interval_s: float) -> None:
         while True:
@@ -220,16 +235,25 @@ async def relay(stream: Replies, head: Head) -> AsyncGenerator[bytes, None]:
 def deployment_options(args: Mapping[str, object], engine_config: EngineConfig) -> dict[str, Any]:
     """Ray options of the engine deployment. `max_ongoing_requests` defaults to twice what admission
     holds (running + waiting), so overload reaches admission and is refused there (429 with
-    Retry-After) instead of queueing unseen in Ray's router. `router`: one of ROUTERS."""
+    Retry-After) instead of queueing unseen in Ray's router. `router`: one of ROUTERS.
+    `autoscaling_config` (a mapping or its JSON): Ray's AutoscalingConfig, in place of `num_replicas`;
+    its `policy` may name ray_autoscaling.POLICY_PATH to scale on the engines' queues."""
     limits = engine_config.scheduler
     held = limits.max_num_seqs + limits.max_waiting
     router = str(args.get("router", "prefix"))
     if router not in ROUTERS:
         raise ValueError(f"router={router!r}: one of {', '.join(ROUTERS)}")
-    routing: dict[str, Any] = {"request_router_class": PrefixLoadRouter} if router == "prefix" else {}
+    router_class = ROUTERS[router]
+    routing: dict[str, Any] = {"request_router_class": router_class} if router_class else {}
+    autoscaling = args.get("autoscaling_config")
+    scaling: dict[str, Any] = {"num_replicas": int(str(args.get("num_replicas", 1)))}
+    if autoscaling is not None:
+        scaling = {
+            "autoscaling_config": json.loads(autoscaling) if isinstance(autoscaling, str) else autoscaling
+        }
     return {
         "request_router_config": RequestRouterConfig(**routing),
-        "num_replicas": int(str(args.get("num_replicas", 1))),
+        **scaling,
         "max_ongoing_requests": int(str(args.get("max_ongoing_requests", 2 * held))),
         "ray_actor_options": {
             "num_cpus": float(str(args.get("num_cpus", 1))),
