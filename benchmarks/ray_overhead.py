@@ -2,6 +2,7 @@
 serve` and by `build_app` (one engine replica behind the ingress and Ray's proxy), in the same run,
 rounds interleaved, at 1 and 16 concurrent streams. Prints mean TTFT and per-stream decode rate for
 each, and Ray / direct ratios. A small httpx client of its own (like router_policies.py).
+`--model default` measures the real default model (SmolLM2) instead of the nearly free dummy:tiny.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import sys
 import time
 
 import httpx
-
-MODEL = "dummy-tiny"
 
 
 def free_port() -> int:
@@ -39,9 +38,9 @@ def wait_ready(base: str, timeout_s: float = 180.0) -> None:
         time.sleep(0.2)
 
 
-async def one_stream(http: httpx.AsyncClient, tokens: int) -> tuple[float, float]:
+async def one_stream(http: httpx.AsyncClient, model: str, tokens: int) -> tuple[float, float]:
     """(TTFT s, decode tokens/s after the first) of one streamed completion."""
-    body = {"model": MODEL, "prompt": "hello " * 16, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": "hello " * 16, "max_tokens": tokens, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
     first = last = 0.0
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -54,8 +53,9 @@ async def one_stream(http: httpx.AsyncClient, tokens: int) -> tuple[float, float
 
 
 async def round_of(base: str, streams: int, tokens: int) -> list[tuple[float, float]]:
-    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-        return list(await asyncio.gather(*(one_stream(http, tokens) for _ in range(streams))))
+    async with httpx.AsyncClient(base_url=base, timeout=300) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        return list(await asyncio.gather(*(one_stream(http, model, tokens) for _ in range(streams))))
 
 
 def main() -> None:
@@ -63,13 +63,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--model", default="dummy:tiny", help="`default`: the real default model")
     args = parser.parse_args()
     import ray
     from ray import serve
 
     from tailserve.integrations.ray_serve import build_app
 
-    flags = ["--model", "dummy:tiny", "--no-warmup"]
+    flags = ["--model", args.model, "--no-warmup"]
     direct_port = free_port()
     direct = subprocess.Popen(
         [
@@ -90,7 +91,7 @@ def main() -> None:
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": ray_port})
-        serve.run(build_app({"model": "dummy:tiny", "no_warmup": "true", "num_cpus": 0}), route_prefix="/")
+        serve.run(build_app({"model": args.model, "no_warmup": "true", "num_cpus": 0}), route_prefix="/")
         bases = {"direct": f"http://127.0.0.1:{direct_port}", "ray": f"http://127.0.0.1:{ray_port}"}
         for base in bases.values():
             wait_ready(base)

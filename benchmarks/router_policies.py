@@ -66,6 +66,9 @@ class Sample:
     output_tokens: int = 0
     error: str = ""
     sent_s: float = math.nan  # perf_counter when it was sent
+    replica: str = ""  # the x-tailserve-replica header, where the front sets it (Ray Serve's)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, from the replica's prefix cache (usage)
 
 
 @dataclass
@@ -187,11 +190,12 @@ async def send(client: httpx.AsyncClient, url: str, model: str, job: Job) -> Sam
     }
     started = time.perf_counter()
     ttft_s = math.nan
-    tokens = 0
+    tokens = prompt_tokens = cached_tokens = 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 return Sample(False, error=f"HTTP {response.status_code}", sent_s=started)
+            replica = response.headers.get("x-tailserve-replica", "")
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -202,11 +206,23 @@ async def send(client: httpx.AsyncClient, url: str, model: str, job: Job) -> Sam
                 if '"usage"' in line:
                     usage = json.loads(line[6:]).get("usage") or {}
                     tokens = int(usage.get("completion_tokens") or tokens)
+                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     except httpx.HTTPError as exc:
         return Sample(False, error=repr(exc), sent_s=started)
     e2e_s = time.perf_counter() - started
     tpot_s = (e2e_s - ttft_s) / (tokens - 1) if tokens > 1 else math.nan
-    return Sample(True, ttft_s, tpot_s, e2e_s, tokens, sent_s=started)
+    return Sample(
+        True,
+        ttft_s,
+        tpot_s,
+        e2e_s,
+        tokens,
+        sent_s=started,
+        replica=replica,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+    )
 
 
 async def run_jobs(url: str, model: str, jobs: list[Job]) -> list[Sample]:
