@@ -25,6 +25,7 @@ import random
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,6 +56,7 @@ class ScaleResult:
     burst_p99_ttft_bootstrap_s: tuple[float, float]
     burst_p99_ttft_order_stat_s: tuple[float | None, float | None]
     requests_per_replica: list[int]
+    error_kinds: dict[str, int]  # a failed request's error (its first 80 characters), counted
 
 
 def autoscaling_config(policy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,13 +138,20 @@ def bootstrap_percentile(values: list[float], q: float, seed: int = 0) -> tuple[
 
 
 def run_policy(policy: str, seed: int, args: argparse.Namespace) -> ScaleResult:
-    """A fresh cluster with one engine replica, the step load, the numbers."""
+    """A fresh cluster with one engine replica (`fixed:N`: N, never scaled), the step load, the numbers."""
     jobs, burst_at_s = step_jobs(seed, args)
     base = rr.start_ray(num_cpus=args.max_replicas)
     try:
-        app_args = {**rr.engine_args(args), "autoscaling_config": autoscaling_config(policy, args)}
-        model = rr.deploy(base, app_args, replicas=1)
-        rr.warm_up(base, model)
+        kind, _, value = policy.partition(":")
+        if kind == "fixed":  # the baseline: `value` replicas from the start, no autoscaling
+            app_args: dict[str, Any] = {**rr.engine_args(args), "num_replicas": int(value)}
+            model = rr.deploy(base, app_args, replicas=int(value))
+        else:
+            app_args = {**rr.engine_args(args), "autoscaling_config": autoscaling_config(policy, args)}
+            model = rr.deploy(base, app_args, replicas=1)
+        for _ in range(4):  # one at a time, then a look-back of quiet: the warm-up must not scale
+            rr.warm_up(base, model, requests=1)
+        time.sleep(args.look_back_s + 2 * args.metrics_interval_s)
         with ReplicaWatch() as watch:
             start = time.perf_counter()
             samples = asyncio.run(rp.run_jobs(base, model, jobs))
@@ -157,19 +166,21 @@ def run_policy(policy: str, seed: int, args: argparse.Namespace) -> ScaleResult:
     )
     new_replies = [s.sent_s + s.ttft_s - burst_start for s in ok if s.replica in replicas[1:]]
     ttfts = sorted(s.ttft_s for s in ok)
+    never = math.nan if kind == "fixed" else 0.0  # a fixed deployment has no scaling times
     return ScaleResult(
         policy=policy,
         seed=seed,
         burst_requests=len(burst),
         errors=len(burst) - len(ok),
-        second_replica_started_s=watch.started_at - burst_start,
-        second_replica_running_s=watch.running_at - burst_start,
-        second_replica_first_reply_s=min(new_replies, default=math.nan),
+        second_replica_started_s=watch.started_at - burst_start + never,
+        second_replica_running_s=watch.running_at - burst_start + never,
+        second_replica_first_reply_s=min(new_replies, default=math.nan) + never,
         burst_p50_ttft_s=nearest_rank(ttfts, 50),
         burst_p99_ttft_s=nearest_rank(ttfts, 99),
         burst_p99_ttft_bootstrap_s=bootstrap_percentile(ttfts, 99, seed),
         burst_p99_ttft_order_stat_s=percentile_interval(ttfts, 99.0),
         requests_per_replica=[sum(1 for s in samples if s.ok and s.replica == r) for r in replicas],
+        error_kinds=dict(Counter(s.error[:80] for s in samples if not s.ok)),
     )
 
 
@@ -186,7 +197,7 @@ def markdown(results: list[ScaleResult]) -> str:
             f"| {r.policy} | {r.seed} | {r.burst_requests} | {r.errors} | {r.second_replica_started_s:.1f} "
             f"| {r.second_replica_running_s:.1f} | {r.second_replica_first_reply_s:.1f} "
             f"| {r.burst_p50_ttft_s * 1e3:.0f} | {r.burst_p99_ttft_s * 1e3:.0f} ({b_lo * 1e3:.0f}-{b_hi * 1e3:.0f}; "
-            f"{rp._ci_ms(o_lo, o_hi)}) | {r.requests_per_replica} |"
+            f"{rp._ci_ms(o_lo, o_hi)}) | {r.requests_per_replica} {r.error_kinds or ''} |"
         )
     return "\n".join(rows)
 
@@ -194,7 +205,9 @@ def markdown(results: list[ScaleResult]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--policies", default="ray:2,ray:4,queue:1", help="ray:<target_ongoing>, queue:<target_waiting>"
+        "--policies",
+        default="ray:2,ray:4,queue:1",
+        help="ray:<target_ongoing>, queue:<target_waiting>, fixed:<replicas> (no autoscaling)",
     )
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--model", default="dummy:smollm2-135m")
