@@ -86,31 +86,31 @@ def test_tiny_token_budget_chunks_prefill_same_tokens(
     _assert_pool_free(llm)
 
 
-def test_prompts_with_nothing_decoding_take_one_longer_step_same_tokens(
+def test_a_prompt_with_nothing_decoding_takes_one_longer_step_same_tokens(
     smol: LoadedModel,
     engine_config: Callable[..., EngineConfig],
     prompts: list[list[int]],
     reference: list[list[int]],
 ) -> None:
-    """With no stream decoding, a step carries up to --prefill-step-tokens of prompt (here every
-    prompt at once, against a 24-token step budget); once streams decode, prompts go back to the step
-    budget. Every token is still transformers'."""
-    llm = LLM(
-        config=engine_config(max_num_batched_tokens=24, max_num_seqs=16, prefill_step_tokens=4096),
-        loaded=smol,
-    )
+    """With no stream decoding, the first prompt in line goes in one step of up to
+    --prefill-step-tokens (against a 24-token step budget), and only it: the prompts queued behind
+    it, and those that arrive while streams decode, go back to the step budget. Every token is still
+    transformers'."""
+    config = engine_config(max_num_batched_tokens=24, max_num_seqs=16, prefill_step_tokens=4096)
+    llm = LLM(config=config, loaded=smol)
     engine, outs = llm.engine, dict[str, list[int]]()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    for i, ids in enumerate(prompts[:-1]):
+    assert len(prompts[0]) > 24
+    for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
     _collect(outs, engine.step())
-    assert engine.last_plan is not None and engine.last_plan.num_tokens == sum(len(p) for p in prompts[:-1])
-    engine.add_request(f"r{len(prompts) - 1}", prompts[-1], params)  # arrives while the others decode
-    _collect(outs, engine.step())
-    assert engine.last_plan is not None and engine.last_plan.num_decodes == len(prompts) - 1
-    assert engine.last_plan.num_tokens <= 24
+    plan = engine.last_plan
+    assert plan is not None and plan.num_decodes == 0
+    assert [(req.request_id, n) for req, n in plan.scheduled] == [("r0", len(prompts[0]))]
     while engine.has_unfinished():
         _collect(outs, engine.step())
+        assert engine.last_plan is not None and engine.last_plan.num_decodes > 0  # r0 decodes from now on
+        assert engine.last_plan.num_tokens <= 24
     assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
     _assert_pool_free(llm)
 

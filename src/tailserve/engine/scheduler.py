@@ -78,8 +78,8 @@ class Scheduler:
         # they get no other work and are never preempted until the engine's `postprocess` of it.
         self.in_flight: set[str] = set()
         self.lane = False  # the engine has a prefill lane: prompt chunks never share a decode step
-        # Prompt tokens a step with no decode may carry (the engine raises it to --prefill-step-tokens
-        # where its kernels allow); the step budget otherwise.
+        # Prompt tokens the first prompt of a step with no decode may take (the engine raises it to
+        # --prefill-step-tokens where its kernels allow); the step budget otherwise.
         self.idle_budget = config.max_num_batched_tokens
 
     def add(self, request: Request) -> None:
@@ -114,8 +114,7 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
-        if plan.num_decodes == 0 and not self.in_flight:
-            budget = max(budget, self.idle_budget)  # no stream to protect: a longer prompt step
+        idle = plan.num_decodes == 0 and not self.in_flight
         if not prefill:
             plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
             return plan
@@ -127,6 +126,12 @@ class Scheduler:
         candidates = [r for r in self.running if not r.is_decoding and r.request_id not in self.in_flight]
         candidates += list(self.waiting)
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
+        first = next(iter([*order.savable, *order.past_saving]), None)
+        if idle and first is not None and self.idle_budget > left:
+            # No stream to protect: the first prompt in order may go in one longer step, up to
+            # idle_budget. Only the first: a queue of prompts still goes a budget at a time, so a
+            # request that arrives meanwhile (an urgent one) waits for one prompt, not for the queue.
+            left = max(left, min(self.idle_budget, first.num_uncomputed_tokens))
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
         # A late request still waiting for a sequence slot has the next free one: savable newcomers
