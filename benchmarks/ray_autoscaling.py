@@ -124,7 +124,8 @@ class ReplicaWatch:
             now = time.perf_counter()
             if math.isnan(self.started_at) and sum(states.values()) >= 2:
                 self.started_at = now
-            if math.isnan(self.running_at) and states.get("RUNNING", 0) >= 2:
+            running = sum(n for state, n in states.items() if state == "RUNNING")  # a str enum
+            if math.isnan(self.running_at) and running >= 2:
                 self.running_at = now
 
 

@@ -80,7 +80,8 @@ def running_replicas(app: str = "tailserve", deployment: str = "engine") -> int:
     status = serve.status().applications.get(app)
     if status is None or deployment not in status.deployments:
         return 0
-    return int(status.deployments[deployment].replica_states.get("RUNNING", 0))
+    states = status.deployments[deployment].replica_states
+    return sum(n for state, n in states.items() if state == "RUNNING")  # a str enum
 
 
 def wait_ready(base: str, replicas: int, timeout_s: float = READY_TIMEOUT_S) -> None:
