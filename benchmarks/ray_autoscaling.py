@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
-import os
-import platform
 import random
 import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -246,11 +242,7 @@ def main() -> int:
             result = run_policy(policy, seed, args)
             print(markdown([result]).splitlines()[-1], flush=True)
             results.append(result)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
-    print(f"\n{datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {machine}; command: {' '.join(sys.argv)}\n")
-    print(markdown(results))
-    if args.out:
-        args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    rp.report(markdown(results), [asdict(r) for r in results], args.out)
     return 0
 
 

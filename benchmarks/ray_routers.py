@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
-import platform
 import sys
 import time
 from collections import Counter
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -185,11 +182,7 @@ def main() -> int:
             result = run_router(router, seed, args)
             print(rp.markdown([result]).splitlines()[-1], flush=True)
             results.append(result)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
-    print(f"\n{datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {machine}; command: {' '.join(sys.argv)}\n")
-    print(rp.markdown(results))
-    if args.out:
-        args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    rp.report(rp.markdown(results), [asdict(r) for r in results], args.out)
     return 0
 
 

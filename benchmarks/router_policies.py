@@ -21,8 +21,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import platform
 import random
 import socket
 import string
@@ -34,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+from machine import machine_line
 from proc import ServerProcess, thread_env
 
 from tailserve.bench.intervals import percentile_interval
@@ -466,12 +465,17 @@ def main() -> int:
                 result = run_policy(workload, policy, jobs, args, seed)
                 print(markdown([result]).splitlines()[-1], flush=True)
                 results.append(result)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
-    print(f"\n{datetime.now(UTC):%Y-%m-%d} on {machine}; command: {' '.join(sys.argv)}\n")
-    print(markdown(results))
-    if args.out:
-        args.out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    report(markdown(results), [asdict(r) for r in results], args.out)
     return 0
+
+
+def report(table: str, records: list[dict[str, object]], out: Path | None) -> None:
+    """A run's footer: date, machine (its CPU named) and command, the results table, and the
+    records as JSON at `out` if given (this script's and the Ray benchmarks')."""
+    print(f"\n{datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {machine_line()}; command: {' '.join(sys.argv)}\n")
+    print(table)
+    if out:
+        out.write_text(json.dumps(records, indent=2))
 
 
 if __name__ == "__main__":
