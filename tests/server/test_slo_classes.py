@@ -1,7 +1,8 @@
 """Per-request SLO classes over HTTP with the official openai client: a request's own targets
 (`extra_body`), its class by name or by vLLM's integer priority, API-key and model-name defaults,
-per-class counters in /metrics, and bad values refused with a 400 naming the field. On the real
-model, interactive requests get their first token before batch requests queued ahead of them."""
+per-class counters in /metrics, and bad values refused with a 400 naming the field. The body may
+loosen the caller's class but never tighten it unless --trust-request-slo. On the real model,
+interactive requests get their first token before batch requests queued ahead of them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import AsyncEngine
+from tailserve.engine.request import SloTarget
 from tailserve.errors import ConfigError
 from tailserve.server.config import ServerConfig
 from tailserve.server.slo_classes import SloClasses
@@ -25,6 +27,7 @@ from tests.server.fake_engine import FakeEngine
 from tests.server.harness import threaded_server
 from tests.server.test_app_fake import metric
 
+# interactive: 2 s and 150 ms (SchedulerConfig's); batch: 20 s and 600 ms (4x); bulk: 60 s and 1 s.
 CLASSES = {
     "classes": {"batch": {"ttft_ms": 20000}, "bulk": {"ttft_ms": 60000, "tpot_ms": 1000}},
     "api_keys": {"sk-batch": "batch", "sk-live": "interactive"},
@@ -45,13 +48,30 @@ def _complete(client: openai.OpenAI, **extra: Any) -> Any:
     return client.completions.create(model="fake-model", prompt="hi", max_tokens=2, extra_body=extra or None)
 
 
-@pytest.fixture
-def loaded_fake(tmp_path: Path) -> Iterator[tuple[str, FakeEngine]]:
+def _timings(client: openai.OpenAI, **extra: Any) -> tuple[str, float, float]:
+    """The class and targets the request was admitted and scheduled by (`tailserve_timings`)."""
+    timings = (_complete(client, **extra).model_extra or {})["tailserve_timings"]
+    return timings["slo_class"], timings["slo_ttft_s"], timings["slo_tpot_s"]
+
+
+def _loaded_fake(tmp_path: Path, trusted: bool = False) -> Iterator[tuple[str, FakeEngine]]:
     """A fake engine that predicts a 5 s wait for everyone, behind a 2 s --slo-ttft."""
     engine = FakeEngine(wait_estimate_s=5.0, scheduler=SchedulerConfig(slo_ttft_s=2.0))
-    config = ServerConfig(api_key="sk-main", slo_classes=_classes(tmp_path, CLASSES))
+    classes = _classes(tmp_path, CLASSES)
+    config = ServerConfig(api_key="sk-main", slo_classes=classes, trust_request_slo=trusted)
     with threaded_server(engine, config) as base:
         yield base, engine
+
+
+@pytest.fixture
+def loaded_fake(tmp_path: Path) -> Iterator[tuple[str, FakeEngine]]:
+    yield from _loaded_fake(tmp_path)
+
+
+@pytest.fixture
+def trusted_fake(tmp_path: Path) -> Iterator[tuple[str, FakeEngine]]:
+    """As `loaded_fake`, with --trust-request-slo: the body may tighten the caller's class."""
+    yield from _loaded_fake(tmp_path, trusted=True)
 
 
 def test_admission_is_by_each_request_own_target(loaded_fake: tuple[str, FakeEngine]) -> None:
@@ -65,7 +85,8 @@ def test_admission_is_by_each_request_own_target(loaded_fake: tuple[str, FakeEng
     assert _complete(main, priority="batch").choices[0].text  # 20 s target
     assert _complete(main, priority=3).choices[0].text  # vLLM's integer: above 0 is batch
     with pytest.raises(openai.RateLimitError):
-        _complete(main, priority="batch", slo={"ttft_ms": 1000})  # its own target beats its class's
+        # Its own target beats its class's, down to the caller's (interactive) 2 s: 5 s > 2 s.
+        _complete(main, priority="batch", slo={"ttft_ms": 1000})
     # The key's class is the default of its requests; a request may still ask for another one.
     assert _complete(_client(base, "sk-batch")).choices[0].text
     with pytest.raises(openai.RateLimitError):
@@ -102,13 +123,72 @@ def test_bad_slo_values_are_400_naming_the_field(
     assert engine.generate_calls == calls  # nothing was queued
 
 
+def test_an_untrusted_body_cannot_tighten_the_callers_class(loaded_fake: tuple[str, FakeEngine]) -> None:
+    """A batch key asking for interactive (by name, by vLLM's integer, or by its own targets) is
+    admitted, scheduled and counted as batch: 5 s predicted is within batch's 20 s."""
+    base, _ = loaded_fake
+    batch = _client(base, "sk-batch")
+    assert _timings(batch, priority="interactive") == ("batch", 20.0, 0.6)
+    assert _timings(batch, priority=-1) == ("batch", 20.0, 0.6)
+    assert _timings(batch, slo={"ttft_ms": 1000, "tpot_ms": 10}) == ("batch", 20.0, 0.6)
+    assert _timings(batch, priority="interactive", slo={"tpot_ms": 900}) == ("batch", 20.0, 0.9)
+    assert _timings(batch, priority="bulk") == ("bulk", 60.0, 1.0)  # looser: granted
+    assert metric(base, "tailserve_slo_requests_total", {"slo_class": "batch", "result": "met"}) == 4
+    with pytest.raises(KeyError):  # no request ran as interactive
+        metric(base, "tailserve_slo_requests_total", {"slo_class": "interactive"})
+
+
+def test_a_trusted_body_may_tighten(trusted_fake: tuple[str, FakeEngine]) -> None:
+    """With --trust-request-slo the same requests run with what they asked: 2 s and 1 s < 5 s."""
+    base, _ = trusted_fake
+    batch = _client(base, "sk-batch")
+    with pytest.raises(openai.RateLimitError):
+        _complete(batch, priority="interactive")
+    with pytest.raises(openai.RateLimitError):
+        _complete(batch, slo={"ttft_ms": 1000})
+    assert _timings(batch, slo={"ttft_ms": 9000, "tpot_ms": 50}) == ("batch", 9.0, 0.05)
+
+
 def test_model_name_default_class(tmp_path: Path) -> None:
     engine = FakeEngine(wait_estimate_s=5.0, scheduler=SchedulerConfig(slo_ttft_s=2.0))
     classes = _classes(tmp_path, {"models": {"fake-model": "batch"}})
     with threaded_server(engine, ServerConfig(slo_classes=classes)) as base:
-        assert _complete(_client(base, "unused")).choices[0].text  # batch by its model name: 20 s
-        with pytest.raises(openai.RateLimitError):
-            _complete(_client(base, "unused"), priority="interactive")
+        assert _timings(_client(base, "unused")) == ("batch", 20.0, 0.6)  # batch by its model name
+        # The model's class is the floor as a key's is: asking for interactive runs as batch.
+        assert _timings(_client(base, "unused"), priority="interactive") == ("batch", 20.0, 0.6)
+
+
+@pytest.mark.parametrize(
+    ("key", "priority", "slo", "trusted", "expected"),
+    [
+        ("sk-batch", "interactive", None, False, SloTarget("batch", 20.0, 0.6)),
+        ("sk-batch", -1, None, False, SloTarget("batch", 20.0, 0.6)),
+        ("sk-batch", 0, None, False, SloTarget("batch", 20.0, 0.6)),
+        ("sk-batch", "batch", {"ttft_ms": 60000}, False, SloTarget("batch", 60.0, 0.6)),
+        ("sk-batch", None, {"ttft_ms": 1000, "tpot_ms": 10}, False, SloTarget("batch", 20.0, 0.6)),
+        ("sk-batch", None, {"ttft_ms": 30000}, False, SloTarget("batch", 30.0, 0.6)),
+        # A class tighter in one target only: not granted, its looser TPOT kept.
+        ("sk-batch", "snappy", None, False, SloTarget("batch", 20.0, 5.0)),
+        # The floor is the caller's class, not the one `priority` names.
+        ("sk-main", "batch", {"ttft_ms": 1000}, False, SloTarget("batch", 2.0, 0.6)),
+        ("sk-main", 3, None, False, SloTarget("batch", 20.0, 0.6)),
+        ("sk-main", "interactive", None, False, SloTarget("interactive", 2.0, 0.15)),
+        ("sk-batch", "interactive", None, True, SloTarget("interactive", 2.0, 0.15)),
+        ("sk-batch", -1, {"tpot_ms": 50}, True, SloTarget("interactive", 2.0, 0.05)),
+        ("sk-batch", "snappy", None, True, SloTarget("snappy", 0.5, 5.0)),
+    ],
+)
+def test_for_request_holds_client_choices_to_the_callers_class(
+    tmp_path: Path,
+    key: str,
+    priority: int | str | None,
+    slo: dict[str, Any] | None,
+    trusted: bool,
+    expected: SloTarget,
+) -> None:
+    snappy = {"ttft_ms": 500, "tpot_ms": 5000}  # tighter than batch's TTFT, looser than its TPOT
+    classes = _classes(tmp_path, {**CLASSES, "classes": {"batch": {"ttft_ms": 20000}, "snappy": snappy}})
+    assert classes.for_request(key, "fake-model", priority, slo, trusted=trusted) == expected
 
 
 @pytest.mark.parametrize(
@@ -175,8 +255,8 @@ def test_interactive_requests_get_first_tokens_before_queued_batch_ones(smol: Lo
 
 
 def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
-    """`tailserve serve --slo-classes FILE --prefill-floor --past-saving-share --urgent-slack`; a bad
-    file, share or slack is a ConfigError (the command prints it and exits 2)."""
+    """`tailserve serve --slo-classes FILE --prefill-floor --past-saving-share --urgent-slack
+    --trust-request-slo`; a bad file, share or slack is a ConfigError (the command prints it and exits 2)."""
     from tailserve.cli import build_parser
     from tailserve.server.cli import configs_from_args
 
@@ -202,6 +282,9 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
     assert server.slo_classes.classes["interactive"].ttft_s == 3.0  # built-in: --slo-ttft
     assert server.slo_classes.classes["batch"].ttft_s == 20.0  # the file's
     assert server.slo_classes.api_keys["sk-batch"] == "batch"
+    assert not server.trust_request_slo  # off unless asked; the old name still turns it on
+    for flag in ("--trust-request-slo", "--trust-slo-headers"):
+        assert configs_from_args(build_parser().parse_args([*flags, flag]))[1].trust_request_slo
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="--slo-classes"):
         configs_from_args(build_parser().parse_args(flags))

@@ -1,8 +1,9 @@
 """The gateway's per-request SLO headers (`x-slo-ttft-ms`, `x-slo-tpot-ms`) over HTTP with the official
 openai client (`extra_headers`): what a user sees is the target admission and the scheduler used
 (`tailserve_timings.slo_ttft_s` / `slo_tpot_s`, a 429 or not, the per-class counters). Untrusted, a
-header may loosen the caller's class but never tighten it; with --trust-slo-headers it may. A header
-beats the body's `slo` target it names; bad values are 400s naming the header and queue nothing."""
+header may loosen the caller's class but never tighten it; with --trust-request-slo (or its old name
+--trust-slo-headers) it may. A header beats the body's `slo` target it names; bad values are 400s
+naming the header and queue nothing."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _server(tmp_path: Path, trusted: bool) -> tuple[FakeEngine, ServerConfig]:
     scheduler = SchedulerConfig(slo_ttft_s=2.0)
     engine = FakeEngine(wait_estimate_s=5.0, scheduler=scheduler)
     config = ServerConfig(
-        api_key="sk-main", slo_classes=SloClasses.load(path, scheduler), trust_slo_headers=trusted
+        api_key="sk-main", slo_classes=SloClasses.load(path, scheduler), trust_request_slo=trusted
     )
     return engine, config
 
@@ -129,9 +130,9 @@ def test_a_repeated_header_is_400(untrusted: tuple[str, FakeEngine]) -> None:
 
 
 def test_serve_flag_on_the_real_engine(tmp_path: Path) -> None:
-    """`tailserve serve --trust-slo-headers` on dummy:tiny: the chat stream and the non-streamed
-    completion report the header's targets, tighter than the default class."""
-    args = ["--model", "dummy:tiny", "--no-warmup", "--slo-ttft", "60", "--trust-slo-headers"]
+    """`tailserve serve --trust-request-slo` on dummy:tiny: the chat stream and the non-streamed
+    completion report the header's targets, tighter than the default class; so does the body's."""
+    args = ["--model", "dummy:tiny", "--no-warmup", "--slo-ttft", "60", "--trust-request-slo"]
     with serve_process(args) as server:
         client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
         headers = {TTFT: "30000", TPOT: "75"}
@@ -155,3 +156,6 @@ def test_serve_flag_on_the_real_engine(tmp_path: Path) -> None:
             if (c.model_extra or {}).get("tailserve_timings")
         ]
         assert [(t["slo_ttft_s"], t["slo_tpot_s"]) for t in finals] == [(30.0, 0.075)]
+        body = {"slo": {"ttft_ms": 20000}}
+        out = client.completions.create(model="dummy-tiny", prompt="a", max_tokens=2, extra_body=body)
+        assert (out.model_extra or {})["tailserve_timings"]["slo_ttft_s"] == 20.0

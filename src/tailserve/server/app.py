@@ -94,7 +94,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         config.generation,
         slo_classes,
         cache_salt_from_api_key=config.cache_salt_from_api_key,
-        trust_slo_headers=config.trust_slo_headers,
+        trust_request_slo=config.trust_request_slo,
     )
 
     @asynccontextmanager

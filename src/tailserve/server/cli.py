@@ -239,10 +239,13 @@ def register(subparsers: Any) -> None:
         "keys never share prefix-cache blocks (default off: the request's cache_salt, as vLLM)",
     )
     h.add_argument(
-        "--trust-slo-headers",
+        "--trust-request-slo",
+        "--trust-slo-headers",  # its old name, when it covered the headers only
+        dest="trust_request_slo",
         action="store_true",
-        help="the x-slo-ttft-ms / x-slo-tpot-ms request headers come from a trusted gateway and may "
-        "tighten the caller's SLO class (default off: they may only loosen it)",
+        help="requests come from a trusted front: their x-slo-ttft-ms / x-slo-tpot-ms headers and body "
+        "`slo` / `priority` may tighten the caller's SLO class (default off: they may only loosen it; "
+        "--trust-slo-headers is the old name)",
     )
     h.add_argument(
         "--drain-timeout",

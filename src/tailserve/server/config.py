@@ -41,9 +41,10 @@ class ServerConfig:
     # Each request's cache_salt is derived from its API key (and its own salt), so keys never share
     # prefix-cache blocks (docs/SERVER.md "cache_salt"); off: the request's own cache_salt, as vLLM.
     cache_salt_from_api_key: bool = False
-    # The x-slo-ttft-ms / x-slo-tpot-ms headers come from a trusted gateway, so they may tighten the
-    # caller's SLO class; off: they only loosen it (docs/SERVER.md "SLO classes").
-    trust_slo_headers: bool = False
+    # The request's SLO choices (x-slo-ttft-ms / x-slo-tpot-ms headers, the body's `slo` and
+    # `priority`) come from a trusted front, so they may tighten the caller's SLO class; off: they
+    # only loosen it (docs/SERVER.md "SLO classes"). --trust-request-slo (old name --trust-slo-headers).
+    trust_request_slo: bool = False
     tls: TlsFiles | None = None  # --ssl-certfile and friends: HTTPS (vLLM's flags)
     root_path: str = ""  # --root-path: the ASGI root path behind a path-prefixing proxy
     access_log: bool = True  # off: --disable-uvicorn-access-log

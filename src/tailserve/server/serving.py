@@ -86,10 +86,10 @@ class Serving:
         defaults: GenerationDefaults,
         slo_classes: SloClasses | None = None,
         cache_salt_from_api_key: bool = False,
-        trust_slo_headers: bool = False,
+        trust_request_slo: bool = False,
     ) -> None:
         self._engine = engine
-        self._trust_slo_headers = trust_slo_headers
+        self._trust_request_slo = trust_request_slo
         self._cache_salt_from_api_key = cache_salt_from_api_key
         self._slo_classes = slo_classes or SloClasses.builtin(engine.config.scheduler)
         self._admission = admission
@@ -106,9 +106,7 @@ class Serving:
         api_key = bearer_token(request.headers.get("authorization"))
         raw = await request.body() if body is None else body
         h = request.headers
-        slo_headers = SloHeaders(
-            tuple(h.getlist(TTFT_HEADER)), tuple(h.getlist(TPOT_HEADER)), self._trust_slo_headers
-        )
+        slo_headers = SloHeaders(tuple(h.getlist(TTFT_HEADER)), tuple(h.getlist(TPOT_HEADER)))
         prepared = self.prepare(kind, raw, api_key, request_id_of(request), slo_headers)
         grammars = (i.params.grammar for i in prepared.inputs if i.params.grammar is not None)
         for spec in dict.fromkeys(grammars):
@@ -125,7 +123,8 @@ class Serving:
     ) -> Prepared:
         """Body -> validated engine inputs (one per choice); raises before anything is queued.
         `api_key` (the caller's bearer token) may pick the request's SLO class and its cache_salt;
-        `slo_headers` (the gateway's x-slo-ttft-ms / x-slo-tpot-ms) may set its targets;
+        `slo_headers` (the gateway's x-slo-ttft-ms / x-slo-tpot-ms) may set its targets (tighter than
+        the caller's class only with --trust-request-slo, as the body's `slo` and `priority`);
         `request_id` (X-Request-Id) names it to the client (`chatcmpl-<request_id>`); the engine's
         ids stay fresh, so a client reusing an id (a retry) never collides with a running request."""
         data = parse_json(body)
@@ -140,7 +139,9 @@ class Serving:
             self._check_model(req.model)
             prompts = [chat_prompt_ids(req, tokenizer)]
         slo_body = req.slo.model_dump() if req.slo is not None else None
-        slo = self._slo_classes.for_request(api_key, req.model, req.priority, slo_body, slo_headers)
+        slo = self._slo_classes.for_request(
+            api_key, req.model, req.priority, slo_body, slo_headers, trusted=self._trust_request_slo
+        )
         salt = req.cache_salt
         if self._cache_salt_from_api_key and api_key is not None:
             salt = api_key_cache_salt(api_key, salt)

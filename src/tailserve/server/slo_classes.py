@@ -2,8 +2,8 @@
 
 The gateway's `x-slo-ttft-ms` / `x-slo-tpot-ms` headers win, then the request's own `slo` field, then
 its `priority` (a class name, or vLLM's integer), then the class of its API key, then that of its model
-name, then the server default. Headers never tighten past the caller's class unless trusted
-(--trust-slo-headers). Classes come from `--slo-classes FILE` over two built-in ones; no engine call.
+name, then the server default. None of the client's choices (headers, `slo`, `priority`) tightens past
+the caller's class unless the front is trusted (--trust-request-slo). No engine call.
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ _DECIMAL = re.compile(r"[0-9]+(\.[0-9]+)?")  # a header's number: no sign, expon
 
 @dataclass(frozen=True)
 class SloHeaders:
-    """The SLO headers as received (every value, to catch repeats; empty: absent), and whether they
-    come from a trusted gateway (--trust-slo-headers) and so may tighten the caller's class."""
+    """The SLO headers as received (every value, to catch repeats; empty: absent)."""
 
     ttft_ms: tuple[str, ...] = ()
     tpot_ms: tuple[str, ...] = ()
-    trusted: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,33 +100,40 @@ class SloClasses:
         priority: int | str | None,
         slo: dict[str, Any] | None,
         headers: SloHeaders | None = None,
+        *,
+        trusted: bool = False,
     ) -> SloTarget:
         """The targets of one request; InvalidRequestError names the field (or header) when a value
-        is bad. A header target, untrusted, is raised to the caller's class target when tighter."""
+        is bad. Unless `trusted` (--trust-request-slo), every client choice is held to the caller's
+        class: a target tighter than the class's is raised to it, and a `priority` class tighter than
+        it runs (and is counted) as the caller's class. Looser choices apply as asked."""
         caller = self.api_keys.get(api_key or "") or self.models.get(model) or self.default
-        name = caller
+        own = None if trusted else self.classes[caller]  # otherwise any client could buy priority
+        target = self.classes[self._named(priority, caller)]
+        if own is not None:
+            target = _class_no_tighter(target, own)
+        if slo:
+            ttft = _request_ms(slo.get("ttft_ms"), "slo.ttft_ms")
+            tpot = _request_ms(slo.get("tpot_ms"), "slo.tpot_ms")
+            target = _with_targets(target, ttft, tpot, own)
+        if headers is not None:
+            ttft = _header_ms(headers.ttft_ms, TTFT_HEADER)
+            tpot = _header_ms(headers.tpot_ms, TPOT_HEADER)
+            target = _with_targets(target, ttft, tpot, own)
+        return target
+
+    def _named(self, priority: int | str | None, caller: str) -> str:
+        """The class a request's `priority` names (a class name or vLLM's integer); else the caller's."""
         if isinstance(priority, str):
             if priority not in self.classes:
                 raise InvalidRequestError(
                     f"unknown SLO class {priority!r} in 'priority' ({self._known()})", "priority"
                 )
-            name = priority
-        elif priority is not None:
-            # vLLM's integer priority (lower runs earlier): below 0 interactive, above 0 batch, 0 the default.
-            name = INTERACTIVE if priority < 0 else BATCH if priority > 0 else name
-        target = self.classes[name]
-        if slo:
-            ttft = _request_ms(slo.get("ttft_ms"), "slo.ttft_ms")
-            tpot = _request_ms(slo.get("tpot_ms"), "slo.tpot_ms")
-            target = SloTarget(name, ttft or target.ttft_s, tpot or target.tpot_s)
-        if headers is not None:
-            ttft = _header_ms(headers.ttft_ms, TTFT_HEADER)
-            tpot = _header_ms(headers.tpot_ms, TPOT_HEADER)
-            if not headers.trusted:  # otherwise any client could buy priority with a header
-                own = self.classes[caller]  # the tightest targets the caller's key or model allows
-                ttft, tpot = _no_tighter(ttft, own.ttft_s), _no_tighter(tpot, own.tpot_s)
-            target = SloTarget(name, ttft or target.ttft_s, tpot or target.tpot_s)
-        return target
+            return priority
+        if priority is None or priority == 0:
+            return caller
+        # vLLM's integer priority (lower runs earlier): below 0 interactive, above 0 batch, 0 the default.
+        return INTERACTIVE if priority < 0 else BATCH
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -183,7 +188,27 @@ def _header_ms(values: tuple[str, ...], header: str) -> float | None:
 
 
 def _no_tighter(seconds: float | None, class_s: float | None) -> float | None:
-    """A client's target, raised to its class's when tighter (None: the header was absent)."""
+    """A client's target, raised to its class's when tighter (None: the client gave none)."""
     if seconds is None or class_s is None:
         return seconds
     return max(seconds, class_s)
+
+
+def _class_no_tighter(asked: SloTarget, own: SloTarget) -> SloTarget:
+    """The class a client's `priority` asked for, held to the caller's own: when tighter in either
+    target it is not granted, so the request is scheduled and counted as the caller's class (keeping
+    a target the asked class loosens)."""
+    ttft, tpot = _no_tighter(asked.ttft_s, own.ttft_s), _no_tighter(asked.tpot_s, own.tpot_s)
+    if (ttft, tpot) == (asked.ttft_s, asked.tpot_s):
+        return asked
+    return SloTarget(own.slo_class, ttft, tpot)
+
+
+def _with_targets(
+    target: SloTarget, ttft_s: float | None, tpot_s: float | None, own: SloTarget | None
+) -> SloTarget:
+    """`target` with a client's own targets (None: keep its value), each raised to the caller's
+    class `own` when tighter (None: trusted, taken as given); the class name stays."""
+    if own is not None:
+        ttft_s, tpot_s = _no_tighter(ttft_s, own.ttft_s), _no_tighter(tpot_s, own.tpot_s)
+    return SloTarget(target.slo_class, ttft_s or target.ttft_s, tpot_s or target.tpot_s)
