@@ -43,7 +43,7 @@ class ServerConfig:
     cache_salt_from_api_key: bool = False
     # The request's SLO choices (x-slo-ttft-ms / x-slo-tpot-ms headers, the body's `slo` and
     # `priority`) come from a trusted front, so they may tighten the caller's SLO class; off: they
-    # only loosen it (docs/SERVER.md "SLO classes"). --trust-request-slo (old name --trust-slo-headers).
+    # only loosen it (docs/SERVER.md "Who may tighten"). --trust-request-slo (old: --trust-slo-headers).
     trust_request_slo: bool = False
     tls: TlsFiles | None = None  # --ssl-certfile and friends: HTTPS (vLLM's flags)
     root_path: str = ""  # --root-path: the ASGI root path behind a path-prefixing proxy
