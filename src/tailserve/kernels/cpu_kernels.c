@@ -1206,6 +1206,7 @@ void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_ca
 #if defined(TS_AMX)
 #define PA_KEYS 32
 #define PA_LAZY_LOG2 8.0f
+#define PA_SCORES_AT 6 /* the key pair of a block's weights after which the next block's scores go in */
 
 typedef struct {
     const bf16 *q, *k_cache, *v_cache;
@@ -1216,18 +1217,17 @@ typedef struct {
     float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
 } prompt_job;
 
-/* 2^t for t <= 8 (or very negative: 0), degree-5 Taylor of 2^f on |f| <= 1/2 (relative error ~2e-6,
- * far below P's bf16 rounding). */
+/* 2^t for t <= 8 (or very negative: 0): 2^floor(t) times a degree-4 fit of 2^f on f = t - floor(t)
+ * in [0, 1) (relative error < 3e-6, far below P's bf16 rounding): six vector operations where the
+ * degree-5 Taylor on |f| <= 1/2 it replaced took eight, in the prompt kernel's largest single cost. */
 static inline __m512 exp2_512(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-03f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF); /* t - floor(t) */
+    __m512 p = _mm512_set1_ps(1.3520600e-02f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2037430e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4142749e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300662e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025f));
+    return _mm512_scalef_ps(p, t); /* p 2^floor(t) */
 }
 
 /* V^T for kv head g and key blocks kb0 .. kb0 + repack_per - 1; keys past the context are zeros. */
@@ -1325,6 +1325,28 @@ static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16
     }
 }
 
+/* P^T (bf16, the pair layout of tile B) of key pairs kp0 .. kp1 - 1 of the block at k0 from its
+ * scores s, against each row's running maximum top (base 2); returns `sum` plus their weights. */
+static inline __attribute__((always_inline)) __m512 prompt_probs(const float *s, bf16 *pt, int64_t kp0, int64_t kp1,
+                                                                 int64_t k0, int diagonal, __m512i posv, __m512 sc,
+                                                                 __m512 top, __m512 sum) {
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t kp = kp0; kp < kp1; kp++) {
+        const int64_t k = 2 * kp;
+        __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * k), sc, top));
+        __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * k + 16), sc, top));
+        if (diagonal) { /* a masked key weighs exactly 0 */
+            p0 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT), p0);
+            p1 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k + 1)), _MM_CMPINT_NLT), p1);
+        }
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0's 16 rows low, p1's high */
+        _mm512_store_si512(pt + 32 * kp, _mm512_permutexvar_epi16(pair_order, both));
+    }
+    return sum;
+}
+
 /* 16 stacked rows (row tile t) of kv head g over every key block they see; the tiles configured. */
 static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
     const int64_t kv_heads = j->kv_heads, group = j->heads / kv_heads, dim = j->dim;
@@ -1360,34 +1382,36 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
     _tile_zero(6);
     _tile_zero(7);
     const __m512i posv = _mm512_loadu_si512(pos);
-    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 sc = _mm512_set1_ps(j->scale_log2), masked = _mm512_set1_ps(-1e30f);
     const __m512 lazy = _mm512_set1_ps(PA_LAZY_LOG2);
     __m512 top = masked, sum = _mm512_setzero_ps();
     const int64_t blocks = max_pos / PA_KEYS + 1;
     /* Pipelined: block kb - 1's values and block kb + 1's scores run on the tiles while block kb's
-     * softmax runs on AVX-512. */
+     * softmax runs on AVX-512. Each goes in where the out-of-order core still overlaps it with the
+     * vector work around it (issued together at the top of a block, 12-15% slower): the values after
+     * the maximum (before it where O must be rescaled), the scores a few key pairs into the weights. */
     prompt_scores(j, g, 0, max_pos, qt, chunks);
     _tile_stored(0, s, 64);
     _tile_stored(1, s + 256, 64);
     for (int64_t kb = 0; kb < blocks; kb++) {
         const int64_t k0 = kb * PA_KEYS;
-        if (kb > 0) prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles);
-        if (kb + 1 < blocks) prompt_scores(j, g, k0 + PA_KEYS, max_pos, qt, chunks);
+        int values_due = kb > 0;
         const int diagonal = k0 + PA_KEYS - 1 > min_pos; /* keys past some row's position: masked for it */
         __m512 block_top = masked;
         for (int64_t k = 0; k < PA_KEYS; k++) {
-            const __m512 x = _mm512_mul_ps(_mm512_load_ps(s + 16 * k), sc);
+            const __m512 x = _mm512_load_ps(s + 16 * k);
             const __mmask16 sees =
                 diagonal ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT) : 0xffff;
             block_top = _mm512_mask_max_ps(block_top, sees, block_top, x);
         }
+        block_top = _mm512_mul_ps(block_top, sc); /* scaled once: rounding keeps the order */
         if (kb == 0) {
             top = block_top;
         } else {
             const __mmask16 moves = _mm512_cmp_ps_mask(block_top, _mm512_add_ps(top, lazy), _CMP_GT_OQ);
             if (moves) { /* rare: rescale O and the sum of the rows whose maximum moved (others by 1) */
+                prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles); /* weighed against the old maximum */
+                values_due = 0;
                 const __m512 fresh = _mm512_mask_mov_ps(top, moves, block_top);
                 const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moves, exp2_512(_mm512_sub_ps(top, fresh)));
                 sum = _mm512_mul_ps(sum, alpha);
@@ -1403,18 +1427,10 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
                 top = fresh;
             }
         }
-        for (int64_t kp = 0; kp < PA_KEYS / 2; kp++) {
-            const int64_t k = 2 * kp;
-            __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * k), sc, top));
-            __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * k + 16), sc, top));
-            if (diagonal) { /* a masked key weighs exactly 0 */
-                p0 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT), p0);
-                p1 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k + 1)), _MM_CMPINT_NLT), p1);
-            }
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0's 16 rows low, p1's high */
-            _mm512_store_si512(pt[kb & 1] + 32 * kp, _mm512_permutexvar_epi16(pair_order, both));
-        }
+        if (values_due) prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles);
+        sum = prompt_probs(s, pt[kb & 1], 0, PA_SCORES_AT, k0, diagonal, posv, sc, top, sum);
+        if (kb + 1 < blocks) prompt_scores(j, g, k0 + PA_KEYS, max_pos, qt, chunks);
+        sum = prompt_probs(s, pt[kb & 1], PA_SCORES_AT, PA_KEYS / 2, k0, diagonal, posv, sc, top, sum);
         if (kb + 1 < blocks) { /* the next block's scores, done by now */
             _tile_stored(0, s, 64);
             _tile_stored(1, s + 256, 64);
