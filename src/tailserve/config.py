@@ -183,6 +183,12 @@ class SchedulerConfig:
             0.0 <= self.urgent_slack <= 1.0, f"--urgent-slack must be in [0, 1], got {self.urgent_slack}"
         )
 
+    @property
+    def idle_step_tokens(self) -> int:
+        """Prompt tokens a step with no decode may give the first prompt in line, where the engine's
+        kernels allow a longer step (engine/llm_engine.py `idle_budget`): at least the step budget."""
+        return max(self.max_num_batched_tokens, self.prefill_step_tokens)
+
 
 @dataclass(frozen=True)
 class KVEventsConfig:

@@ -4,7 +4,8 @@ Each step costs what a `StepCost` says (a fixed part, a price per decode row and
 and one per prompt token per token of context it attends to, since prompt attention grows with
 the context), the virtual clock advances by it, and admission decides on the wait model's quote as
 the server does (`Admission.admit(WaitQuote)`). A request is admitted or refused at its arrival
-time, between steps; its first token comes at the end of the step that finishes its prompt.
+time, also while a step runs (against the queue as that step found it: the server's admission runs
+beside the engine thread); its first token comes at the end of the step that finishes its prompt.
 Nothing here reads a wall clock, so tests can assert what admission promised against what happened.
 """
 
@@ -94,6 +95,9 @@ class VirtualServer:
         self.scheduler = Scheduler(
             config, KVCacheManager(100_000, BLOCK, enable_prefix_caching=False), self.timer
         )
+        # As on a CPU whose prompt rows run our own kernels: with nothing decoding, the first prompt
+        # in line may take --prefill-step-tokens in one step (engine/llm_engine.py `idle_budget`).
+        self.scheduler.idle_budget = config.idle_step_tokens
         self.wait_model = WaitModel(self.scheduler.policy, self.timer, config.slo_ttft_s)
         view = _EngineView(EngineConfig(scheduler=config), self.scheduler)
         self.admission = Admission(view, WaitCorrection(enabled=correction, clock=self.clock))  # type: ignore[arg-type]
@@ -118,7 +122,13 @@ class VirtualServer:
                 self.clock.now = pending[0][0]
                 continue
             seconds = self.cost(plan)
-            self.clock.now += seconds
+            end = self.clock.now + seconds
+            # The server admits on its own thread while a step runs: a request arriving meanwhile
+            # is priced at its arrival, against the queue as it stands until the step ends.
+            while pending and pending[0][0] < end:
+                self.clock.now = max(self.clock.now, pending[0][0])
+                outcomes.append(self._offer(*pending.pop(0)))
+            self.clock.now = end
             self.timer.record(plan, seconds)
             self.scheduler.postprocess(plan)
             self._emit(plan)

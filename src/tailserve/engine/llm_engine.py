@@ -279,7 +279,7 @@ def idle_budget(runner: ModelRunner, config: SchedulerConfig) -> int:
     budget = config.max_num_batched_tokens
     if runner.tp is not None or any(linear.onednn is not None for linear in runner.model.prompt_linears()):
         return budget
-    return max(budget, config.prefill_step_tokens)
+    return config.idle_step_tokens
 
 
 def make_lane(runner: ModelRunner) -> PrefillLane | None:

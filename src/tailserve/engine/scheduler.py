@@ -114,7 +114,6 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= 1
         plan.num_decodes = len(plan.scheduled)
-        idle = plan.num_decodes == 0 and not self.in_flight
         if not prefill:
             plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
             return plan
@@ -127,7 +126,7 @@ class Scheduler:
         candidates += list(self.waiting)
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         first = next(iter([*order.savable, *order.past_saving]), None)
-        if idle and first is not None and self.idle_budget > left:
+        if first is not None and self._idle_step_longer(plan.num_decodes):
             # No stream to protect: the first prompt in order may go in one longer step, up to
             # idle_budget. Only the first: a queue of prompts still goes a budget at a time, so a
             # request that arrives meanwhile (an urgent one) waits for one prompt, not for the queue.
@@ -313,6 +312,15 @@ class Scheduler:
             running_prefills=running_prefills,
             slots_free_steps=tuple(sorted(self._steps_left(r) for r in self.running)),
             max_num_seqs=self.config.max_num_seqs,
+            idle_step_tokens=self.idle_budget if self._idle_step_longer(len(decoding)) else 0,
+        )
+
+    def _idle_step_longer(self, num_decodes: int) -> bool:
+        """Whether a step may give the first prompt in line more than the step budget (the rule
+        step_plan follows and queue_snapshot reports): no stream decodes, no chunk is in flight,
+        and the idle budget is the larger."""
+        return (
+            num_decodes == 0 and not self.in_flight and self.idle_budget > self.config.max_num_batched_tokens
         )
 
     def _steps_left(self, req: Request) -> int:

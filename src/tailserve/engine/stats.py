@@ -310,10 +310,17 @@ class StepTimer:
     ) -> float:
         """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes:
         each step costs a decode step (its fixed part) plus its prompt tokens at their price.
-        `pairs`: the tokens' query-key pairs (`prompt_pairs`), priced by the pair fit once it is
-        determined; None prices them at the context prompts attend to now."""
+        `per_step_tokens`: prompt tokens a step (default the budget), at most the budget less the
+        decode rows while any run; with none running it may exceed the budget (a step with no decode
+        may be longer: Scheduler.idle_budget). The price per token and per pair does not depend on
+        the step's size, so fewer, longer steps save only their fixed parts. `pairs`: the tokens'
+        query-key pairs (`prompt_pairs`), the same however the prompt is chunked, priced by the pair
+        fit once it is determined; None prices them at the context prompts attend to now."""
         step_s, per_token = self.coefficients()
-        per_step = max(min(per_step_tokens or self.budget_tokens, self.budget_tokens - running), 1)
+        per_step = per_step_tokens or self.budget_tokens
+        if running:
+            per_step = min(per_step, self.budget_tokens - running)
+        per_step = max(per_step, 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
         if pairs is not None and self._pair_price is not None:
             a, b = self._pair_price

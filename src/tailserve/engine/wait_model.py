@@ -50,6 +50,10 @@ class QueueSnapshot:
     running_prefills: int = 0
     slots_free_steps: tuple[int, ...] = ()
     max_num_seqs: int = 0
+    # Prompt tokens the next step gives the first prompt in line because nothing decodes and nothing
+    # is in flight (Scheduler.idle_budget; it goes on so until that prompt is done); 0: not idle, or
+    # no longer step than the budget.
+    idle_step_tokens: int = 0
 
 
 def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
@@ -117,19 +121,31 @@ class WaitModel:
         pending, rules = snapshot.pending, self.rules
         newcomer = PrefillItem(num_prompt_tokens, now + target, target, NEWCOMER_SEQ_NO)
         before = work_ahead(rules, pending, newcomer, now)
-        ahead = sum(p.tokens for p in before)
         mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
-        per_step = snapshot.prefill_cap
+        per_step, idle_step = snapshot.prefill_cap, snapshot.idle_step_tokens
         if not mine.past_saving and any(r.past_saving for r in ranks):
-            per_step = savable_tokens_per_step(rules, per_step)  # the late ones keep their reserve
+            # The late ones keep their reserve, of a longer step too.
+            per_step = savable_tokens_per_step(rules, per_step)
+            idle_step = savable_tokens_per_step(rules, idle_step) if idle_step else 0
         own_pairs = prompt_pairs(num_prompt_tokens, 0)
-        own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step, own_pairs)
+        # On an idle engine the first prompt in line goes in steps of the idle budget, with no
+        # decode beside them; the others a budget at a time (Scheduler.step_plan). Priced in
+        # budget-sized steps, a 2,000-token prompt alone was predicted 8 steps' fixed costs long.
+        if idle_step:
+            own_s = self.timer.estimate_s(num_prompt_tokens, 0, idle_step, own_pairs)
+        else:
+            own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step, own_pairs)
         prefill_s = own_s
-        if ahead:
-            pairs = own_pairs + sum(prompt_pairs(p.tokens, p.start) for p in before)
-            prefill_s = self.timer.estimate_s(
-                ahead + num_prompt_tokens, snapshot.num_running, per_step, pairs
-            )
+        if before:
+            head_s, rest = 0.0, before
+            if idle_step:  # the first of the work ahead takes the idle steps, not the newcomer
+                head = min(before, key=lambda p: rules.rank(p, now))
+                rest = [p for p in before if p is not head]
+                head_pairs = prompt_pairs(head.tokens, head.start)
+                head_s = self.timer.estimate_s(head.tokens, 0, idle_step, head_pairs)
+            pairs = own_pairs + sum(prompt_pairs(p.tokens, p.start) for p in rest)
+            tokens = sum(p.tokens for p in rest) + num_prompt_tokens
+            prefill_s = head_s + self.timer.estimate_s(tokens, snapshot.num_running, per_step, pairs)
         if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
             return Wait(prefill_s, own_s)  # room in the batch for everyone queued and the newcomer
         # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
