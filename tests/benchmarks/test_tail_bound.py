@@ -31,12 +31,31 @@ def config(**kw: object) -> SchedulerConfig:
 
 
 def test_a_lone_request_costs_exactly_its_steps() -> None:
-    """100 prompt tokens in one step, then one decode row a step; 300 tokens take two chunks."""
+    """100 prompt tokens in one step, then one decode row a step; 300 tokens take two chunks of the
+    256-token budget without the longer idle step, one step with it (the server's default)."""
     one = simulate([(5.0, 100, 5)], config(), COST)[0]
     assert one.ttft == pytest.approx(0.006 + 0.010 + 0.100)
     assert one.tpot == pytest.approx(0.006 + 0.001)
-    two = simulate([(0.0, 300, 2)], config(), COST)[0]
+    two = simulate([(0.0, 300, 2)], config(prefill_step_tokens=0), COST)[0]
     assert two.ttft == pytest.approx(2 * (0.006 + 0.010) + 0.300)
+    idle = simulate([(0.0, 300, 2)], config(), COST)[0]
+    assert idle.ttft == pytest.approx(0.006 + 0.010 + 0.300)
+
+
+def test_only_the_first_prompt_in_line_takes_the_idle_step() -> None:
+    """Two 600-token prompts at once on an idle engine: the first goes in one step of 600 tokens (up
+    to --prefill-step-tokens), the second then in 256-token steps beside the first one's decodes,
+    as the scheduler plans them in the server."""
+    loose = {"slo_ttft_s": 5.0, "slo_tpot_s": 1.0}  # no target caps a chunk here
+    arrivals = [(0.0, 600, 8), (0.0, 600, 8)]
+    first, second = simulate(arrivals, config(prefill_step_tokens=1024, **loose), COST)
+    assert first.ttft == pytest.approx(0.006 + 0.010 + 0.600)
+    # Three chunks (256, 256, 88), each beside the first request's decode row.
+    chunks = 3 * (0.006 + 0.001 + 0.010) + 0.600
+    assert second.ttft == pytest.approx(first.ttft + chunks)
+    # Without it: 256, 256, then the last 88 beside the second prompt's first 168.
+    off = simulate(arrivals, config(prefill_step_tokens=0, **loose), COST)
+    assert off[0].ttft == pytest.approx(3 * (0.006 + 0.010) + 0.768)
 
 
 def test_a_tight_tpot_plan_spreads_a_long_prompt_over_a_stream_and_fcfs_does_not() -> None:
