@@ -5,7 +5,13 @@ predicts it three ways; the error is (predicted - measured) / measured:
 
 - `pairs`: decode step + a x prompt tokens + b x query-key pairs (the fit the wait model uses);
 - `single`: decode step + one price per prompt token (what it used before, and its fallback);
-- `decode`: for steps without prompt tokens, the decode-step average (rows are not in it).
+- `decode`: for steps without prompt tokens, the decode-step average (rows are not in it);
+- `idle_step` and `idle_as_budget_steps`: the steps with no decode that carry more prompt tokens
+  than the step budget (--prefill-step-tokens), priced as the one step they are (`pairs`, what the
+  wait model predicts for the first prompt in line on an idle engine) and as budget-sized steps
+  (what it predicted before);
+- `lane_chunk` and `main_prompt`: the other prompt steps (`pairs`) split by where they ran: on the
+  prefill lane's half of the threads beside decoding streams, or on all threads with nothing decoding.
 
     .venv/bin/python benchmarks/step_cost_error.py --rate 0.5 --requests 60 --threads 2
 """
@@ -34,6 +40,12 @@ def predictions(timer: StepTimer, plan: Any) -> dict[str, float]:
     decode_s, _ = timer.coefficients()
     if tokens == 0:
         return {"decode": decode_s}
+    if plan.num_decodes == 0 and tokens > timer.budget_tokens:
+        pairs_ = int(plan.prompt_pairs)
+        return {
+            "idle_step": timer.estimate_s(tokens, 0, tokens, pairs_),
+            "idle_as_budget_steps": timer.estimate_s(tokens, 0, timer.budget_tokens, pairs_),
+        }
     single = decode_s + tokens * (timer._per_token_s or 0.0)
     pair_price = timer._pair_price
     pairs = (
@@ -44,12 +56,21 @@ def predictions(timer: StepTimer, plan: Any) -> dict[str, float]:
     return {"pairs": pairs, "single": single}
 
 
-def run(rate: float, requests: int, threads: int, seed: int) -> dict[str, list[float]]:
+def run(
+    rate: float,
+    requests: int,
+    threads: int,
+    seed: int,
+    idle: list[tuple[int, float, float, float]],
+    prefill_step_tokens: int = SchedulerConfig.prefill_step_tokens,
+) -> dict[str, list[float]]:
+    """Serve the arrivals and return each model's errors; `idle` gets (prompt tokens, measured ms,
+    one-step and budget-steps predictions in ms) of every long step with no decode."""
     engine = LLMEngine(
         EngineConfig(
             model=ModelConfig(model="default", num_threads=threads),
             cache=CacheConfig(enable_prefix_caching=False),
-            scheduler=SchedulerConfig(),
+            scheduler=SchedulerConfig(prefill_step_tokens=prefill_step_tokens),
         )
     )
     rng = np.random.default_rng(seed)
@@ -58,13 +79,35 @@ def run(rate: float, requests: int, threads: int, seed: int) -> dict[str, list[f
     outputs = rng.integers(64, 257, requests)
     vocab = engine.arch.vocab_size
     timer = engine.scheduler.timer
-    errors: dict[str, list[float]] = {"pairs": [], "single": [], "decode": []}
+    errors: dict[str, list[float]] = {
+        "pairs": [],
+        "single": [],
+        "decode": [],
+        "idle_step": [],
+        "idle_as_budget_steps": [],
+        "lane_chunk": [],
+        "main_prompt": [],
+    }
     record = timer.record
 
     def judged(plan: Any, seconds: float) -> None:
         if timer.steps > 20:  # after the warm-up request's steps
-            for name, predicted in predictions(timer, plan).items():
+            predicted_s = predictions(timer, plan)
+            for name, predicted in predicted_s.items():
                 errors[name].append((predicted - seconds) / seconds)
+            if "pairs" in predicted_s:  # a lane chunk runs while streams decode; a main step, none
+                lane = any(r.is_decoding for r in engine.scheduler.running)
+                where = "lane_chunk" if lane else "main_prompt"
+                errors[where].append((predicted_s["pairs"] - seconds) / seconds)
+            if "idle_step" in predicted_s:
+                idle.append(
+                    (
+                        int(plan.num_prefill_tokens),
+                        round(1e3 * seconds, 1),
+                        round(1e3 * predicted_s["idle_step"], 1),
+                        round(1e3 * predicted_s["idle_as_budget_steps"], 1),
+                    )
+                )
         record(plan, seconds)
 
     timer.record = judged  # type: ignore[method-assign]
@@ -104,15 +147,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefill-step-tokens",
+        type=int,
+        default=SchedulerConfig.prefill_step_tokens,
+        help="the server's flag",
+    )
     args = p.parse_args(argv)
-    errors = run(args.rate, args.requests, args.threads, args.seed)
+    idle: list[tuple[int, float, float, float]] = []
+    errors = run(args.rate, args.requests, args.threads, args.seed, idle, args.prefill_step_tokens)
     report = {
         "machine": machine_line(),
         "commit": git_commit(),
         "rate": args.rate,
         "requests": args.requests,
         "threads": args.threads,
+        "prefill_step_tokens": args.prefill_step_tokens,
         **{name: summary(e) for name, e in errors.items()},
+        "idle_steps_tokens_ms_predicted_ms_as_budget_steps_ms": idle,
     }
     print(json.dumps(report, indent=1))
     return 0
