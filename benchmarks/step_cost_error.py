@@ -10,8 +10,9 @@ predicts it three ways; the error is (predicted - measured) / measured:
   than the step budget (--prefill-step-tokens), priced as the one step they are (`pairs`, what the
   wait model predicts for the first prompt in line on an idle engine) and as budget-sized steps
   (what it predicted before);
-- `lane_chunk` and `main_prompt`: the other prompt steps (`pairs`) split by where they ran: on the
-  prefill lane's half of the threads beside decoding streams, or on all threads with nothing decoding.
+- `lane_chunk` and `main_prompt`: the other prompt steps (`pairs`) split by where they ran: chunks
+  on the prefill lane's half of the threads beside decoding streams (predicted by the lane's own
+  timer, which only they feed), or steps on all threads with nothing decoding.
 
     .venv/bin/python benchmarks/step_cost_error.py --rate 0.5 --requests 60 --threads 2
 """
@@ -78,7 +79,6 @@ def run(
     prompts = rng.integers(512, 2049, requests)
     outputs = rng.integers(64, 257, requests)
     vocab = engine.arch.vocab_size
-    timer = engine.scheduler.timer
     errors: dict[str, list[float]] = {
         "pairs": [],
         "single": [],
@@ -88,29 +88,35 @@ def run(
         "lane_chunk": [],
         "main_prompt": [],
     }
-    record = timer.record
 
-    def judged(plan: Any, seconds: float) -> None:
-        if timer.steps > 20:  # after the warm-up request's steps
-            predicted_s = predictions(timer, plan)
-            for name, predicted in predicted_s.items():
-                errors[name].append((predicted - seconds) / seconds)
-            if "pairs" in predicted_s:  # a lane chunk runs while streams decode; a main step, none
-                lane = any(r.is_decoding for r in engine.scheduler.running)
-                where = "lane_chunk" if lane else "main_prompt"
-                errors[where].append((predicted_s["pairs"] - seconds) / seconds)
-            if "idle_step" in predicted_s:
-                idle.append(
-                    (
-                        int(plan.num_prefill_tokens),
-                        round(1e3 * seconds, 1),
-                        round(1e3 * predicted_s["idle_step"], 1),
-                        round(1e3 * predicted_s["idle_as_budget_steps"], 1),
+    def judge(timer: StepTimer, lane: bool) -> None:
+        """Score `timer`'s prediction of each step it is about to record (the engine's steps' timer,
+        or the prefill lane's, which only its chunks feed)."""
+        record = timer.record
+
+        def judged(plan: Any, seconds: float) -> None:
+            if engine.scheduler.timer.steps > 20:  # after the warm-up request's steps
+                predicted_s = predictions(timer, plan)
+                for name, predicted in predicted_s.items():
+                    errors[name].append((predicted - seconds) / seconds)
+                if "pairs" in predicted_s:
+                    where = "lane_chunk" if lane else "main_prompt"
+                    errors[where].append((predicted_s["pairs"] - seconds) / seconds)
+                if "idle_step" in predicted_s:
+                    idle.append(
+                        (
+                            int(plan.num_prefill_tokens),
+                            round(1e3 * seconds, 1),
+                            round(1e3 * predicted_s["idle_step"], 1),
+                            round(1e3 * predicted_s["idle_as_budget_steps"], 1),
+                        )
                     )
-                )
-        record(plan, seconds)
+            record(plan, seconds)
 
-    timer.record = judged  # type: ignore[method-assign]
+        timer.record = judged  # type: ignore[method-assign]
+
+    judge(engine.scheduler.timer, lane=False)
+    judge(engine.scheduler.lane_timer, lane=True)
     greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     engine.add_request("warm-up", [(j * 31) % (vocab - 3) + 3 for j in range(600)], greedy)
     while engine.has_unfinished():

@@ -220,6 +220,10 @@ def test_prefill_lane_same_tokens(
         _collect(outs, engine.step())
     assert lane_steps >= len(prompts) - 1  # every prompt after the first met a decoding stream
     assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
+    # The lane's chunks are timed apart from the steps (half the threads), and counted once.
+    assert engine.scheduler.lane_timer.steps >= len(prompts) - 1
+    stats = engine.stats()
+    assert stats.steps_total == sum(h.count for h in stats.steps.duration_s)
     _assert_pool_free(llm)
 
 

@@ -3,13 +3,23 @@ of a newcomer are those of the queued prompts the scheduler's order puts before 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import pytest
+
 from tailserve.config import SchedulerConfig
-from tailserve.engine.policy import FcfsPolicy, SchedulePolicy, SloPolicy, order_prefills, prefill_item
+from tailserve.engine.policy import (
+    FcfsPolicy,
+    PrefillItem,
+    SchedulePolicy,
+    SloPolicy,
+    order_prefills,
+    prefill_item,
+)
 from tailserve.engine.request import Request, RequestTimings, SamplingParams, SloTarget
 from tailserve.engine.stats import StepTimer
-from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, tokens_ahead
+from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, QueueSnapshot, WaitModel, tokens_ahead
 
 NOW = 1000.0
 SLO_TTFT_S = 0.55
@@ -65,3 +75,28 @@ def test_tokens_ahead_of_a_newcomer_are_those_the_planner_orders_before_it() -> 
             assert ahead == sum(r.prompt_work_tokens for r in before), (policy.name, tokens, ttft_s)
             seen.add(ahead)
     assert len(seen) > 4  # the cases differ: the rule is exercised, not one answer repeated
+
+
+def test_prompts_beside_decoding_streams_are_priced_at_the_lane_s_speed_an_idle_step_at_the_engine_s() -> (
+    None
+):
+    """With a prefill lane, prompt chunks that run while streams decode get half the threads: a
+    newcomer's prefill is priced by the lane's own timer (fed only its chunks). On an idle engine the
+    first prompt in line goes in one step on every thread, priced by the steps' timer, and whatever
+    is behind it goes to the lane once that prompt decodes. (One timer for both, measured in process,
+    priced lane chunks 16-25% short and steps with no decode 28% long.)"""
+    steps, lane = StepTimer(budget_tokens=256), StepTimer(budget_tokens=256)
+    steps.record(_Plan(8, 0), 0.010)  # a decode step
+    steps.record(_Plan(2048, 2048), 0.010 + 2048 * 0.0002)  # an idle step: 0.2 ms a prompt token
+    lane.record(_Plan(256, 256), 256 * 0.0004)  # a lane chunk: 0.4 ms a prompt token
+    policy = SloPolicy(SchedulerConfig(slo_ttft_s=5.0), steps, block_size=16)
+    model = WaitModel(policy, steps, 5.0, lane)
+    busy = QueueSnapshot(pending=[], num_running=3, prefill_cap=256, lane=True)
+    assert model.estimate_s(1000, busy, NOW) == pytest.approx(1000 * 0.0004)
+    idle = QueueSnapshot(pending=[], num_running=0, prefill_cap=256, idle_step_tokens=2048, lane=True)
+    assert model.estimate_s(1000, idle, NOW) == pytest.approx(0.010 + 1000 * 0.0002)
+    queued = dataclasses.replace(idle, pending=[PrefillItem(1500, NOW + 1.0, 5.0, 0)])  # due first
+    assert model.estimate_s(1000, queued, NOW) == pytest.approx(0.010 + 1500 * 0.0002 + 1000 * 0.0004)
+    # Without a lane the chunks go in the steps, beside the decodes, at the steps' price.
+    plain = WaitModel(policy, steps, 5.0)
+    assert plain.estimate_s(1000, busy, NOW) == pytest.approx(4 * 0.010 + 1000 * 0.0002)

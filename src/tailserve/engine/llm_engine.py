@@ -32,7 +32,7 @@ from tailserve.engine.request import (
     check_limits,
 )
 from tailserve.engine.scheduler import Scheduler, StepPlan
-from tailserve.engine.stats import EngineStats, StepStats, step_kind
+from tailserve.engine.stats import EngineStats, StepStats, StepTimer, step_kind
 from tailserve.engine.structured import GrammarCache
 from tailserve.engine.wait_model import QueueSnapshot, WaitModel
 from tailserve.errors import InvalidRequestError
@@ -85,7 +85,12 @@ class LLMEngine:
         events = self.kv_events.log if self.kv_events is not None else None
         kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, keys, events)
         self.scheduler = Scheduler(config.scheduler, kv)
-        self.wait_model = WaitModel(self.scheduler.policy, self.scheduler.timer, config.scheduler.slo_ttft_s)
+        self.wait_model = WaitModel(
+            self.scheduler.policy,
+            self.scheduler.timer,
+            config.scheduler.slo_ttft_s,
+            self.scheduler.lane_timer,
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_plan: StepPlan | None = None  # for tests and debugging
         self.step_stats = StepStats(time.monotonic())
@@ -200,17 +205,25 @@ class LLMEngine:
         finally:  # one chunk at a time: its requests are all in flight (an error ends them all the same)
             self.scheduler.in_flight.clear()
         # Its tokens go out now, not when the chunk ended: what a client sees.
-        outputs = self._after_step(run.plan, run.chunks, run.result, run.end - run.start, time.monotonic())
+        seconds, now = run.end - run.start, time.monotonic()
+        outputs = self._after_step(run.plan, run.chunks, run.result, seconds, now, self.scheduler.lane_timer)
         self.step_stats.record(step_kind(0, len(run.plan.scheduled)), run.plan.num_tokens, run.start, run.end)
         return outputs
 
     def _after_step(
-        self, plan: StepPlan, chunks: list[SeqChunk], result: StepResult, seconds: float, now: float
+        self,
+        plan: StepPlan,
+        chunks: list[SeqChunk],
+        result: StepResult,
+        seconds: float,
+        now: float,
+        timer: StepTimer | None = None,
     ) -> list[RequestOutput]:
         """A run plan's bookkeeping (step timer, computed tokens, siblings) and its sampled tokens out
-        at `now`; `seconds`: how long the runner took."""
+        at `now`; `seconds`: how long the runner took; `timer`: the one that learns from it (default
+        the steps'; a lane chunk's is the lane's)."""
         record_prompt_logprobs(plan.scheduled, chunks, result.prompt_scores)
-        self.scheduler.timer.record(plan, seconds)
+        (timer or self.scheduler.timer).record(plan, seconds)
         self.scheduler.postprocess(plan)
         self.forks.start(plan.scheduled, now)
         outputs: list[RequestOutput] = []

@@ -54,6 +54,7 @@ class QueueSnapshot:
     # is in flight (Scheduler.idle_budget; it goes on so until that prompt is done); 0: not idle, or
     # no longer step than the budget.
     idle_step_tokens: int = 0
+    lane: bool = False  # prompt chunks run on the prefill lane while streams decode
 
 
 def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
@@ -100,10 +101,21 @@ class Wait(NamedTuple):
 class WaitModel:
     """Predicts a newcomer's time to first token from a queue snapshot and the recent step times."""
 
-    def __init__(self, rules: PlanRules, timer: StepTimer, slo_ttft_s: float) -> None:
+    def __init__(
+        self, rules: PlanRules, timer: StepTimer, slo_ttft_s: float, lane_timer: StepTimer | None = None
+    ) -> None:
         self.rules = rules
-        self.timer = timer
+        self.timer = timer  # the engine's steps
         self.slo_ttft_s = slo_ttft_s
+        self.lane_timer = lane_timer  # the prefill lane's chunks, on half the threads
+
+    def _chunk_timer(self, snapshot: QueueSnapshot) -> tuple[StepTimer, bool]:
+        """What prices prompt chunks that run while streams decode: the lane's timer where the engine
+        has a lane and it has timed a chunk, else the steps'; and whether it is the lane's."""
+        lane = self.lane_timer
+        if snapshot.lane and lane is not None and lane.coefficients()[1] > 0:
+            return lane, True
+        return self.timer, False
 
     def estimate_s(
         self, num_prompt_tokens: int, snapshot: QueueSnapshot, now: float, ttft_s: float | None = None
@@ -131,10 +143,14 @@ class WaitModel:
         # On an idle engine the first prompt in line goes in steps of the idle budget, with no
         # decode beside them; the others a budget at a time (Scheduler.step_plan). Priced in
         # budget-sized steps, a 2,000-token prompt alone was predicted 8 steps' fixed costs long.
+        # Behind the first prompt (it decodes once its prompt is done) they go beside decodes: on the
+        # lane, if the engine has one, whose chunks carry no decode row.
+        chunks, on_lane = self._chunk_timer(snapshot)
+        rows = 0 if on_lane else snapshot.num_running
         if idle_step:
             own_s = self.timer.estimate_s(num_prompt_tokens, 0, idle_step, own_pairs)
         else:
-            own_s = self.timer.estimate_s(num_prompt_tokens, snapshot.num_running, per_step, own_pairs)
+            own_s = chunks.estimate_s(num_prompt_tokens, rows, per_step, own_pairs)
         prefill_s = own_s
         if before:
             head_s, rest = 0.0, before
@@ -145,7 +161,7 @@ class WaitModel:
                 head_s = self.timer.estimate_s(head.tokens, 0, idle_step, head_pairs)
             pairs = own_pairs + sum(prompt_pairs(p.tokens, p.start) for p in rest)
             tokens = sum(p.tokens for p in rest) + num_prompt_tokens
-            prefill_s = head_s + self.timer.estimate_s(tokens, snapshot.num_running, per_step, pairs)
+            prefill_s = head_s + chunks.estimate_s(tokens, rows, per_step, pairs)
         if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
             return Wait(prefill_s, own_s)  # room in the batch for everyone queued and the newcomer
         # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
