@@ -77,6 +77,14 @@ def test_result_document_is_complete_and_redacted() -> None:
     json.dumps(result, allow_nan=False)  # strict JSON, no NaN
     text = format_summary(result)
     assert "TTFT (s)" in text and "PASS" in text and "rate_limited 1" in text and "slowest 1%" in text
+    assert result["slo"]["admission"] == {
+        "admitted": 275,
+        "refused": 1,
+        "missed_ttft": 0,
+        "missed_tpot": 0,
+        "missed_e2e": 0,
+    }
+    assert "admission: 275 admitted, 1 refused (429, 0.4%); of the admitted, 0 missed TTFT <= 2.00 s" in text
 
 
 def test_slo_verdicts_carry_the_p99_interval() -> None:

@@ -9,6 +9,7 @@ import pytest
 from tailserve.bench.records import RequestRecord, allocate_tokens
 from tailserve.bench.stats import (
     SloTargets,
+    admission_accuracy,
     assign_phases,
     attribute_slowest,
     nearest_rank,
@@ -125,6 +126,19 @@ def test_slo_verdicts_and_goodput() -> None:
     assert tp.goodput_per_s == pytest.approx(97 / span)
     assert tp.requests_per_s == pytest.approx(100 / span)
     assert tp.output_tokens_per_s == pytest.approx(1100 / span)
+
+
+def test_admission_accuracy_counts_what_the_admitted_then_missed_and_the_429s() -> None:
+    records = [make_record(i, i * 0.1, 0.2, 0.02, 11) for i in range(90)]
+    records += [make_record(90 + i, 9.0, 3.0, 0.02, 11) for i in range(4)]  # TTFT 3 s, E2E 3.2 s
+    records += [make_record(94 + i, 9.4, 0.2, 0.05, 11) for i in range(3)]  # TPOT 50 ms
+    records += [make_record(97 + i, 9.7, 0, 0, 0, error="rate_limited") for i in range(3)]
+    records.append(make_record(100, 10.0, 0, 0, 0, error="timeout"))  # neither admitted nor refused
+    acc = admission_accuracy(records, SloTargets(ttft_p99_s=2.0, tpot_p99_s=0.030, e2e_p99_s=3.0))
+    assert (acc.admitted, acc.refused) == (97, 3)
+    assert (acc.missed_ttft, acc.missed_tpot, acc.missed_e2e) == (4, 3, 4)
+    off = admission_accuracy(records, SloTargets(ttft_p99_s=None, tpot_p99_s=0.060, e2e_p99_s=None))
+    assert (off.missed_ttft, off.missed_tpot, off.missed_e2e) == (None, 0, None)
 
 
 def test_errors_count_against_goodput_and_error_rate() -> None:

@@ -144,6 +144,37 @@ def error_rate(records: Sequence[RequestRecord]) -> float | None:
 
 
 @dataclass(frozen=True)
+class AdmissionAccuracy:
+    """Whether a server's admission keeps its promise: of the measured requests it answered (it
+    admitted them), how many then missed each per-request target, and how many it refused (429).
+    A miss count is None where that target is off."""
+
+    admitted: int
+    refused: int
+    missed_ttft: int | None
+    missed_tpot: int | None
+    missed_e2e: int | None
+
+
+def admission_accuracy(measured: Sequence[RequestRecord], targets: SloTargets) -> AdmissionAccuracy:
+    """Counts over the measured requests: answered ones against each target, and the 429s."""
+    ok = [r for r in measured if r.ok]
+
+    def missed(limit: float | None, get: Callable[[RequestRecord], float | None]) -> int | None:
+        if limit is None:
+            return None
+        return sum(1 for r in ok if (v := get(r)) is not None and v > limit)
+
+    return AdmissionAccuracy(
+        admitted=len(ok),
+        refused=sum(r.error_kind == "rate_limited" for r in measured),
+        missed_ttft=missed(targets.ttft_p99_s, lambda r: r.ttft_s),
+        missed_tpot=missed(targets.tpot_p99_s, lambda r: r.tpot_s),
+        missed_e2e=missed(targets.e2e_p99_s, lambda r: r.e2e_s),
+    )
+
+
+@dataclass(frozen=True)
 class Throughput:
     """Rates over the measured span: first measured send -> last measured request's end."""
 

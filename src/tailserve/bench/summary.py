@@ -109,6 +109,7 @@ def format_summary(result: dict[str, Any]) -> str:
     if cache.get("cached_token_fraction") is not None:
         lines.append(f"prefix cache: {cache['cached_token_fraction']:.0%} of prompt tokens served from cache")
     lines.append("SLOs: " + " | ".join(_verdict_text(v) for v in slo["verdicts"]))
+    lines += _admission_lines(slo.get("admission"), slo["targets"])
     by_kind = result["errors"]["by_kind"]
     lines.append("errors: " + (", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())) or "none"))
     for kind, message in sorted(result["errors"]["examples"].items()):
@@ -120,6 +121,29 @@ def format_summary(result: dict[str, Any]) -> str:
     for warning in result.get("warnings", []):
         lines.append(f"! {warning}")
     return "\n".join(lines)
+
+
+def _admission_lines(admission: dict[str, Any] | None, targets: dict[str, Any]) -> list[str]:
+    """Of the requests the server admitted, the share that missed each per-request target (whether
+    its admission kept its promise), and the share it refused with 429."""
+    if not admission:
+        return []
+    admitted, refused = admission["admitted"], admission["refused"]
+    asked = admitted + refused
+    head = f"admission: {admitted} admitted, {refused} refused (429"
+    head += f", {refused / asked:.1%})" if asked else ")"
+    misses = []
+    for key, target, unit, scale in (
+        ("missed_ttft", "ttft_p99_s", "s", 1.0),
+        ("missed_tpot", "tpot_p99_s", "ms", 1000.0),
+        ("missed_e2e", "e2e_p99_s", "s", 1.0),
+    ):
+        n = admission.get(key)
+        if n is None or not admitted:
+            continue
+        name = key.removeprefix("missed_").upper()
+        misses.append(f"{n} missed {name} <= {fmt_num(targets[target] * scale)} {unit} ({n / admitted:.1%})")
+    return [head + ("; of the admitted, " + ", ".join(misses) if misses else "")]
 
 
 def _arrival_text(arrival: dict[str, Any]) -> str:
