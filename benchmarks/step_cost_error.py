@@ -13,6 +13,9 @@ predicts it three ways; the error is (predicted - measured) / measured:
 - `lane_chunk` and `main_prompt`: the other prompt steps (`pairs`) split by where they ran: chunks
   on the prefill lane's half of the threads beside decoding streams (predicted by the lane's own
   timer, which only they feed), or steps on all threads with nothing decoding.
+- `decode_all_threads` and `decode_beside_lane`: decode-only steps as the TPOT price sees them
+  (`DecodeTimer`: from one step's start to the next's, fitted on rows and context), on all threads
+  and beside a lane chunk, each predicted before the timer learns it.
 
     .venv/bin/python benchmarks/step_cost_error.py --rate 0.5 --requests 60 --threads 2
 """
@@ -87,6 +90,8 @@ def run(
         "idle_as_budget_steps": [],
         "lane_chunk": [],
         "main_prompt": [],
+        "decode_all_threads": [],
+        "decode_beside_lane": [],
     }
 
     def judge(timer: StepTimer, lane: bool) -> None:
@@ -117,6 +122,18 @@ def run(
 
     judge(engine.scheduler.timer, lane=False)
     judge(engine.scheduler.lane_timer, lane=True)
+    decode_timer = engine.scheduler.decode_timer
+    learn_decode = decode_timer.record
+
+    def judged_decode(rows: int, context: int, seconds: float, beside_lane: bool) -> None:
+        predicted = decode_timer.estimate_s(rows, context, beside_lane)
+        if predicted is not None and engine.scheduler.timer.steps > 20:
+            errors["decode_beside_lane" if beside_lane else "decode_all_threads"].append(
+                (predicted - seconds) / seconds
+            )
+        learn_decode(rows, context, seconds, beside_lane)
+
+    decode_timer.record = judged_decode  # type: ignore[method-assign]
     greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     engine.add_request("warm-up", [(j * 31) % (vocab - 3) + 3 for j in range(600)], greedy)
     while engine.has_unfinished():

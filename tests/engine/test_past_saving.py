@@ -9,6 +9,7 @@ step at which that happens is its first token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -192,14 +193,15 @@ def test_a_one_chunk_step_alternates_between_late_and_savable_work() -> None:
 def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
     """With every sequence slot taken by long decodes, a newcomer with nothing ahead of it in prefill
     still waits for one to end: the estimate says so (and admission can refuse it fast) instead of
-    0 s. A slot free again: 0. Finished requests that ended early shorten the expected wait."""
+    0 s. A slot free again: 0. Finished requests that ended early shorten the expected wait of
+    requests that may end early too (not of those that ignore the end token: they make max_tokens)."""
     config = SchedulerConfig(max_num_batched_tokens=BUDGET, policy="slo", slo_ttft_s=2.0, max_num_seqs=2)
     timer = StepTimer(budget_tokens=BUDGET)
     timer.record(_Plan(2, 0), 0.05)  # a 50 ms decode step
     scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), timer)
     now = time.monotonic()
     for i, max_tokens in enumerate((100, 60)):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens)
         scheduler.add(Request(f"long{i}", [5, 6, 7, 8], params, RequestTimings(arrival=now), seq_no=i))
     plan = scheduler.step_plan(now)  # both prefill in one step, then decode
     scheduler.postprocess(plan)
@@ -213,6 +215,11 @@ def test_a_full_batch_makes_a_newcomer_wait_for_a_slot() -> None:
         scheduler._output_tokens.record(10)
     wait = _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now)
     assert wait == pytest.approx(9 * 0.05 + step)
+    for req in scheduler.running:  # fixed lengths: they make max_tokens, whatever others did
+        req.params = dataclasses.replace(req.params, ignore_eos=True)
+    assert _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now) == pytest.approx(59 * 0.05 + step)
+    for req in scheduler.running:
+        req.params = dataclasses.replace(req.params, ignore_eos=False)
     for _ in range(30):  # steps now carry prompt chunks and take 150 ms: the running streams slow too
         timer.record(_Plan(40, 38), 0.15)
     wait = _wait_s(scheduler, 10, scheduler.queue_snapshot(now), now)

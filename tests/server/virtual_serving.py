@@ -1,9 +1,9 @@
 """A scripted engine in virtual time: the real scheduler, wait model and admission, no model.
 
 Each step costs what a `StepCost` says (a fixed part, a price per decode row and per prompt token,
-and one per prompt token per token of context it attends to, since prompt attention grows with
-the context), the virtual clock advances by it, and admission decides on the wait model's quote as
-the server does (`Admission.admit(WaitQuote)`). A request is admitted or refused at its arrival
+one per prompt token per token of context it attends to, since prompt attention grows with the
+context, and one per decode row per token of its context), the virtual clock advances by it, and admission decides on the wait model's quote as
+the server does (`Admission.admit(WaitQuote)`), with the TPOT price in the quote where asked. A request is admitted or refused at its arrival
 time, also while a step runs (against the queue as that step found it: the server's admission runs
 beside the engine thread); its first token comes at the end of the step that finishes its prompt.
 Nothing here reads a wall clock, so tests can assert what admission promised against what happened.
@@ -19,7 +19,7 @@ from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.quote import WaitQuote
 from tailserve.engine.request import Request, RequestTimings, SamplingParams, ttft_target_s
 from tailserve.engine.scheduler import Scheduler, StepPlan
-from tailserve.engine.stats import EngineStats, StepTimer
+from tailserve.engine.stats import DecodeTimer, EngineStats, StepTimer
 from tailserve.engine.wait_model import WaitModel
 from tailserve.errors import RequestRejectedError
 from tailserve.server.admission import Admission, Ticket, WaitCorrection
@@ -36,6 +36,7 @@ class StepCost:
     prompt_fixed: float = 0.011  # once, if the step carries prompt tokens
     per_token: float = 0.00075  # per prompt token
     per_pair: float = 0.0  # per prompt token per context token it attends to (its position + 1)
+    per_context: float = 0.0  # per decode row per token of its context (the KV it reads)
 
     def __call__(self, plan: StepPlan) -> float:
         tokens = plan.num_prefill_tokens
@@ -43,7 +44,13 @@ class StepCost:
             n * req.num_computed_tokens + n * (n + 1) // 2 for req, n in plan.scheduled[plan.num_decodes :]
         )
         prompt = self.prompt_fixed + self.per_token * tokens + self.per_pair * pairs if tokens else 0.0
-        return self.fixed + self.per_row * plan.num_decodes + prompt
+        decodes = self.per_row * plan.num_decodes + self.per_context * decode_context(plan)
+        return self.fixed + decodes + prompt
+
+
+def decode_context(plan: StepPlan) -> int:
+    """Tokens the step's decode rows attend, all together."""
+    return sum(len(req.token_ids) for req, _ in plan.scheduled[: plan.num_decodes])
 
 
 @dataclass
@@ -87,8 +94,12 @@ class _EngineView:
 class VirtualServer:
     """Admission in front of the scheduler, stepping in virtual time (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, cost: StepCost, correction: bool = True) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cost: StepCost, correction: bool = True, tpot: bool = False
+    ) -> None:
+        """`tpot`: admission also gets the TPOT price (else the quote has none, as before it existed)."""
         self.config = config
+        self.tpot = tpot
         self.cost = cost
         self.clock = _Clock()
         self.timer = StepTimer(budget_tokens=config.max_num_batched_tokens)
@@ -98,7 +109,10 @@ class VirtualServer:
         # As on a CPU whose prompt rows run our own kernels: with nothing decoding, the first prompt
         # in line may take --prefill-step-tokens in one step (engine/llm_engine.py `idle_budget`).
         self.scheduler.idle_budget = config.idle_step_tokens
-        self.wait_model = WaitModel(self.scheduler.policy, self.timer, config.slo_ttft_s)
+        self.decode_timer = DecodeTimer()
+        self.wait_model = WaitModel(
+            self.scheduler.policy, self.timer, config.slo_ttft_s, decode_timer=self.decode_timer
+        )
         view = _EngineView(EngineConfig(scheduler=config), self.scheduler)
         self.admission = Admission(view, WaitCorrection(enabled=correction, clock=self.clock))  # type: ignore[arg-type]
         self.admission.ready = True
@@ -130,6 +144,8 @@ class VirtualServer:
                 outcomes.append(self._offer(*pending.pop(0)))
             self.clock.now = end
             self.timer.record(plan, seconds)
+            if plan.num_prefill_tokens == 0:
+                self.decode_timer.record(plan.num_decodes, decode_context(plan), seconds, beside_lane=False)
             self.scheduler.postprocess(plan)
             self._emit(plan)
         return outcomes
@@ -139,15 +155,19 @@ class VirtualServer:
         ttft_s = ttft_target_s(None, self.config.slo_ttft_s)
         snapshot = self.scheduler.queue_snapshot(self.clock.now)
         wait = self.wait_model.estimate(prompt, snapshot, self.clock.now, ttft_s)
+        params = SamplingParams(max_tokens=output, ignore_eos=True)
+        tpot = None
+        if self.tpot:
+            own = self.scheduler.new_stream(prompt, params, None)
+            tpot = self.wait_model.tpot_price(prompt, own, snapshot, self.clock.now, ttft_s)
         try:
-            ticket = self.admission.admit(WaitQuote(prompt, ttft_s, wait.ttft_s, wait.alone_s))
+            ticket = self.admission.admit(WaitQuote(prompt, ttft_s, wait.ttft_s, wait.alone_s, tpot))
         except RequestRejectedError:
             return outcome
         outcome.admitted, outcome.queued = True, wait.queued
         outcome.estimate_s, outcome.alone_s = ticket.estimate_s, wait.alone_s
         name = f"r{self._seq}"
         ids = [(self._seq * 31 + j) % 5000 + 1 for j in range(prompt)]
-        params = SamplingParams(max_tokens=output, ignore_eos=True)
         request = Request(name, ids, params, RequestTimings(arrival=arrival), seq_no=self._seq)
         self._seq += 1
         self.scheduler.add(request)
@@ -170,6 +190,6 @@ class VirtualServer:
             req.timings.token_times.append(now)
             if req.num_output_tokens >= outcome.output:
                 self.scheduler.finish(req, "length")
-                ticket.done()
                 outcome.tpot_s = (now - req.timings.first_token) / max(outcome.output - 1, 1)
+                ticket.done()
                 del self._live[req.request_id]

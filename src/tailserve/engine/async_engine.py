@@ -25,6 +25,7 @@ from tailserve.engine.policy import PrefillItem
 from tailserve.engine.quote import Admitted, WaitQuote
 from tailserve.engine.request import GrammarSpec, RequestOutput, SamplingParams, SloTarget, ttft_target_s
 from tailserve.engine.stats import EngineStats
+from tailserve.engine.tpot_model import Stream
 from tailserve.engine.wait_model import QueueSnapshot, Wait, unseen_item
 from tailserve.errors import TailserveError
 from tailserve.executor import warmup
@@ -88,7 +89,7 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._queue = self.engine.queue_snapshot()
         # Requests handed to generate() but not yet in a published snapshot.
-        self._unseen: dict[int, PrefillItem] = {}
+        self._unseen: dict[int, tuple[PrefillItem, Stream]] = {}
         self._applied: list[int] = []  # engine thread only: adds applied since the last publish
         self._add_seq = itertools.count()
         self._lock = threading.Lock()
@@ -142,8 +143,12 @@ class AsyncEngine:
         the same price: the server's one call per request. `slo` and `fork_of`: LLMEngine.add_request's."""
         work = self.engine.prompt_work_tokens(prompt_token_ids, params)
         ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
-        wait = self.estimate_wait(work, ttft_s)
-        ticket = admit(WaitQuote(work, ttft_s, wait.ttft_s, wait.alone_s))
+        own = self.engine.scheduler.new_stream(len(prompt_token_ids), params, slo)
+        snapshot, now = self._snapshot(), time.monotonic()
+        model = self.engine.wait_model
+        wait = model.estimate(work, snapshot, now, ttft_s)
+        tpot = model.tpot_price(work, own, snapshot, now, ttft_s)
+        ticket = admit(WaitQuote(work, ttft_s, wait.ttft_s, wait.alone_s, tpot))
         stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of)
         return Admitted(ticket, stream)
 
@@ -182,7 +187,8 @@ class AsyncEngine:
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
-            self._unseen[item.seq] = unseen_item(work_tokens, now, ttft_s)
+            own = self.engine.scheduler.new_stream(len(prompt_token_ids), params, slo)
+            self._unseen[item.seq] = (unseen_item(work_tokens, now, ttft_s), own)
         self._inbox.put(item)
         return self._outputs(request_id, stream)
 
@@ -226,12 +232,22 @@ class AsyncEngine:
         """Predicted queue wait plus prefill for a new request whose TTFT target is `ttft_s` (None:
         --slo-ttft), and its prefill alone: the last step's snapshot plus every request handed to
         generate() since (a burst arrives faster than the engine thread sees it)."""
+        return self.engine.wait_model.estimate(num_prompt_tokens, self._snapshot(), time.monotonic(), ttft_s)
+
+    def _snapshot(self) -> QueueSnapshot:
+        """The last step's snapshot plus every request handed to generate() since, queued last."""
         with self._lock:
             snapshot = self._queue
             unseen = list(self._unseen.values())
-        if unseen:
-            snapshot = dataclasses.replace(snapshot, pending=[*snapshot.pending, *unseen])
-        return self.engine.wait_model.estimate(num_prompt_tokens, snapshot, time.monotonic(), ttft_s)
+        if not unseen:
+            return snapshot
+        # The snapshot's streams cover its own pending prompts: the unseen ones' follow them.
+        streams = snapshot.pending_streams[: len(snapshot.pending)]
+        return dataclasses.replace(
+            snapshot,
+            pending=[*snapshot.pending, *(item for item, _ in unseen)],
+            pending_streams=(*streams, *(stream for _, stream in unseen)),
+        )
 
     # ----- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:

@@ -90,6 +90,7 @@ class LLMEngine:
             self.scheduler.timer,
             config.scheduler.slo_ttft_s,
             self.scheduler.lane_timer,
+            self.scheduler.decode_timer,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_plan: StepPlan | None = None  # for tests and debugging
@@ -103,6 +104,9 @@ class LLMEngine:
         self.scheduler.lane = self.lane is not None
         self.scheduler.idle_budget = idle_budget(self.runner, config.scheduler)
         self._lane_outputs: list[RequestOutput] = []  # from a lane chunk taken outside `step`
+        # The last decode-only step, timed when the next step begins: (rows, context, beside the
+        # lane, when it began).
+        self._decode_step: tuple[int, int, bool, float] | None = None
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
@@ -171,6 +175,7 @@ class LLMEngine:
         if lane is not None and lane.done():
             outputs += self._take_lane()
         begin = time.monotonic()
+        self._time_decode_step(begin)
         lane_busy = lane is not None and lane.busy
         lane_free = lane is not None and not lane_busy and any(r.is_decoding for r in self.scheduler.running)
         plan = self.scheduler.step_plan(begin, prefill=not lane_busy, lane=lane_free)
@@ -192,10 +197,22 @@ class LLMEngine:
         now = time.monotonic()
         outputs += self._after_step(plan, chunks, result, now - start, now)
         kind = step_kind(plan.num_decodes, len(plan.scheduled))
+        if plan.num_prefill_tokens == 0 and any(r.is_decoding for r in self.scheduler.running):
+            context = sum(len(r.token_ids) for r, _ in plan.scheduled)
+            self._decode_step = (plan.num_decodes, context, threads is not None, begin)
         self.step_stats.record(kind, plan.num_tokens, begin, time.monotonic())
         if self.runner.tp is not None:
             self.step_stats.record_tensor_parallel(kind, self.runner.last_comm_s, self.runner.last_compute_s)
         return outputs
+
+    def _time_decode_step(self, now: float) -> None:
+        """Teach the decode timer the last decode-only step: from its start to this one's, the gap its
+        streams saw (taking a lane chunk, planning and sampling included; the next step starts at
+        once, since streams were still decoding after it)."""
+        last, self._decode_step = self._decode_step, None
+        if last is not None:
+            rows, context, beside_lane, began = last
+            self.scheduler.decode_timer.record(rows, context, now - began, beside_lane)
 
     def _take_lane(self) -> list[RequestOutput]:
         """The prefill lane's chunk, waited for: its tokens computed and its first tokens out."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from tailserve.engine.request import RequestOutput
+from tailserve.engine.tpot_model import TpotPrice
 
 T = TypeVar("T")
 
@@ -23,6 +24,9 @@ class WaitQuote:
     ttft_s: float  # its TTFT target: its slo's, else --slo-ttft
     predicted_wait_s: float  # its TTFT predicted now: the work queued ahead of it, then its own prefill
     alone_s: float = 0.0  # its own prefill at today's load: the TTFT with nothing queued ahead
+    tpot: TpotPrice | None = (
+        None  # every stream's predicted TPOT with it and without it; None: not yet priced
+    )
 
     @property
     def queued(self) -> bool:

@@ -271,6 +271,14 @@ class RequestTimings:
     def e2e_s(self) -> float | None:
         return None if self.finish is None else self.finish - self.arrival
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean seconds per output token after the first: None until finished with two or more."""
+        times = self.token_times
+        if len(times) < 2 or self.first_token is None or self.finish is None:
+            return None
+        return (self.finish - self.first_token) / (len(times) - 1)
+
     def as_dict(self) -> dict[str, float | int]:
         """The `tailserve_timings` HTTP extension field (docs/INTERFACES.md)."""
         return {

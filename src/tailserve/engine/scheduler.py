@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SchedulePolicy, make_policy, order_prefills, prefill_item
-from tailserve.engine.request import Request, RequestStatus
-from tailserve.engine.stats import EngineStats, Ewma, StepTimer, prompt_pairs
+from tailserve.engine.request import Request, RequestStatus, SamplingParams, SloTarget, tpot_target_s
+from tailserve.engine.stats import DecodeTimer, EngineStats, Ewma, StepTimer, prompt_pairs
+from tailserve.engine.tpot_model import Stream
 from tailserve.engine.wait_model import QueueSnapshot
 from tailserve.errors import ContextLengthExceededError
 
@@ -82,6 +83,9 @@ class Scheduler:
         # (the engine records them here), so they neither teach the steps' prices nor take them.
         # One timer for both priced a lane chunk 16-25% short and a step with no decode 28% long.
         self.lane_timer = StepTimer(budget_tokens=config.max_num_batched_tokens)
+        # Decode-only steps by rows and context, on all threads or beside a lane chunk (the engine
+        # records them): what the TPOT price plays the streams' future with.
+        self.decode_timer = DecodeTimer()
         # Prompt tokens the first prompt of a step with no decode may take (the engine raises it to
         # --prefill-step-tokens where its kernels allow); the step budget otherwise.
         self.idle_budget = config.max_num_batched_tokens
@@ -318,7 +322,32 @@ class Scheduler:
             max_num_seqs=self.config.max_num_seqs,
             idle_step_tokens=self.idle_budget if self._idle_step_longer(len(decoding)) else 0,
             lane=self.lane,
+            streams=tuple(self._stream(r) for r in decoding),
+            pending_streams=tuple(self._stream(r) for r in prefilling),
         )
+
+    def _stream(self, req: Request) -> Stream:
+        """A running or queued request as the TPOT price sees it."""
+        tpot_s = tpot_target_s(req.slo, self.config.slo_tpot_s)
+        if req.is_decoding and req.timings.first_token is not None:
+            done = req.num_output_tokens - 1
+            return Stream(tpot_s, self._steps_left(req), len(req.token_ids), done, req.timings.first_token)
+        return self.new_stream(len(req.token_ids), req.params, req.slo)
+
+    def new_stream(self, prompt_tokens: int, params: SamplingParams, slo: SloTarget | None) -> Stream:
+        """A request not yet streaming as the TPOT price sees it: its expected gaps (its max_tokens, or
+        fewer where finished requests have been ending sooner) after its prompt."""
+        tokens = self._expected_output_tokens(params)
+        return Stream(tpot_target_s(slo, self.config.slo_tpot_s), max(tokens - 1, 0), prompt_tokens + 1)
+
+    def _expected_output_tokens(self, params: SamplingParams) -> int:
+        """Output tokens a request is expected to make in all: its max_tokens where nothing can end
+        it sooner (ignore_eos, no stop strings or tokens: a benchmark's fixed lengths), else at most
+        the mean output length of finished requests."""
+        typical = self._output_tokens.mean
+        if typical is None or (params.ignore_eos and not params.stop and not params.stop_token_ids):
+            return params.max_tokens
+        return min(params.max_tokens, max(math.ceil(typical), 1))
 
     def _idle_step_longer(self, num_decodes: int) -> bool:
         """Whether a step may give the first prompt in line more than the step budget (the rule
@@ -331,8 +360,4 @@ class Scheduler:
     def _steps_left(self, req: Request) -> int:
         """Decode steps until a running request is expected to end: its max_tokens left, or fewer where
         finished requests have been ending sooner (the mean output length so far)."""
-        left = max(req.params.max_tokens - req.num_output_tokens, 1)
-        typical = self._output_tokens.mean
-        if typical is None:
-            return left
-        return min(left, max(math.ceil(typical) - req.num_output_tokens, 1))
+        return max(self._expected_output_tokens(req.params) - req.num_output_tokens, 1)

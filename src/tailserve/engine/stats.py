@@ -332,3 +332,87 @@ def prompt_pairs(tokens: int, start: int) -> int:
     """Query-key pairs of `tokens` prompt tokens after `start` tokens of context, causal: the sum of
     (position + 1) over them, what prompt attention's work grows with."""
     return tokens * start + tokens * (tokens + 1) // 2
+
+
+class DecodeFit:
+    """Least squares of decode-only step seconds on (1, rows, context tokens), recent steps weighted
+    most: a decode step reads the weights once (the fixed part), then each row's own work and the
+    KV of every context token its row attends (the part that grows as streams lengthen). Measured
+    in process on the chat-scaled arrivals (2-vCPU Sapphire Rapids, int4, 1-9 rows, 0.6-11k context
+    tokens): median error 4% on one thread, 8% on two (benchmarks/step_cost_error.py). Until steps
+    of varied rows and contexts determine it, the fit drops the rows term, then the context term."""
+
+    FORGET = 0.01  # a step's weight decays by this per later step (~100 steps)
+
+    def __init__(self) -> None:
+        # Exponentially weighted sums of x x^T (upper triangle) and x y, x = (1, rows, kilotokens).
+        self._xx = [0.0] * 6
+        self._xy = [0.0] * 3
+        self._coef: tuple[float, float, float] | None = None
+
+    def record(self, rows: int, context: int, seconds: float) -> None:
+        keep = 1.0 - self.FORGET
+        x = (1.0, float(rows), context / 1000.0)
+        products = (x[0] * x[0], x[0] * x[1], x[0] * x[2], x[1] * x[1], x[1] * x[2], x[2] * x[2])
+        self._xx = [keep * s + p for s, p in zip(self._xx, products, strict=True)]
+        self._xy = [keep * s + xi * seconds for s, xi in zip(self._xy, x, strict=True)]
+        self._coef = self._solve()
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        n, sr, sc, rr, rc, cc = self._xx
+        y0, yr, yc = self._xy
+        if n <= 0:
+            return None
+        full = _solve3((n, sr, sc, rr, rc, cc), (y0, yr, yc))
+        if full is not None and full[1] >= 0 and full[2] >= 0:
+            return full
+        det = n * cc - sc * sc  # without rows: (1, context)
+        if det > 1e-9 * n * cc:
+            a, c = (y0 * cc - yc * sc) / det, (n * yc - sc * y0) / det
+            if a >= 0 and c >= 0:
+                return a, 0.0, c
+        return y0 / n, 0.0, 0.0
+
+    def estimate_s(self, rows: int, context: int) -> float | None:
+        """Predicted seconds of a decode step of `rows` streams attending `context` tokens in all;
+        None until a step was recorded."""
+        if self._coef is None:
+            return None
+        a, b, c = self._coef
+        return a + b * rows + c * context / 1000.0
+
+
+def _solve3(xx: tuple[float, ...], xy: tuple[float, float, float]) -> tuple[float, float, float] | None:
+    """The normal equations of a 3-term least squares (xx: the symmetric matrix's upper triangle,
+    row by row), by Cramer's rule; None where the steps do not determine all three terms."""
+    a, b, c, d, e, f = xx  # [[a b c] [b d e] [c e f]]
+    det = a * (d * f - e * e) - b * (b * f - c * e) + c * (b * e - c * d)
+    if det <= 1e-9 * a * d * f:
+        return None
+    y0, y1, y2 = xy
+    x0 = (y0 * (d * f - e * e) - b * (y1 * f - e * y2) + c * (y1 * e - d * y2)) / det
+    x1 = (a * (y1 * f - e * y2) - y0 * (b * f - c * e) + c * (b * y2 - y1 * c)) / det
+    x2 = (a * (d * y2 - y1 * e) - b * (b * y2 - y1 * c) + y0 * (b * e - c * d)) / det
+    return x0, x1, x2
+
+
+class DecodeTimer:
+    """Decode-only steps' price by rows and context, fitted apart for the two ways they run: on all
+    the engine's threads, and beside the prefill lane's chunk (on the threads it leaves: 14.5 ms +
+    1.0 ms a row + 2.7 ms per thousand context tokens on one of two threads, 10.5 + 0.1 + 1.5 on
+    both, measured as in DecodeFit). What the TPOT a stream will see is priced by (engine/
+    tpot_model.py)."""
+
+    def __init__(self) -> None:
+        self.all_threads = DecodeFit()
+        self.beside_lane = DecodeFit()
+
+    def record(self, rows: int, context: int, seconds: float, beside_lane: bool) -> None:
+        (self.beside_lane if beside_lane else self.all_threads).record(rows, context, seconds)
+
+    def estimate_s(self, rows: int, context: int, beside_lane: bool) -> float | None:
+        """A decode step's seconds; beside the lane, all threads' price until the lane's is known
+        (then an underestimate), None until either is."""
+        fit = self.beside_lane if beside_lane else self.all_threads
+        own = fit.estimate_s(rows, context)
+        return own if own is not None else self.all_threads.estimate_s(rows, context)

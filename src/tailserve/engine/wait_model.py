@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from tailserve.engine.policy import PrefillItem, PrefillRank
-from tailserve.engine.stats import StepTimer, prompt_pairs
+from tailserve.engine.stats import DecodeTimer, StepTimer, prompt_pairs
+from tailserve.engine.tpot_model import Stream, TpotPrice, price
 
 NEWCOMER_SEQ_NO = sys.maxsize  # a newcomer arrives after everyone queued: it loses every tie
 UNSEEN_SEQ_NO = (
@@ -55,6 +56,10 @@ class QueueSnapshot:
     # no longer step than the budget.
     idle_step_tokens: int = 0
     lane: bool = False  # prompt chunks run on the prefill lane while streams decode
+    # The TPOT price's view (engine/tpot_model.py): the streams decoding now, and the stream each of
+    # `pending` turns into once its prompt is done (a pending item without one gets `default_stream`).
+    streams: tuple[Stream, ...] = ()
+    pending_streams: tuple[Stream, ...] = ()
 
 
 def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
@@ -102,12 +107,18 @@ class WaitModel:
     """Predicts a newcomer's time to first token from a queue snapshot and the recent step times."""
 
     def __init__(
-        self, rules: PlanRules, timer: StepTimer, slo_ttft_s: float, lane_timer: StepTimer | None = None
+        self,
+        rules: PlanRules,
+        timer: StepTimer,
+        slo_ttft_s: float,
+        lane_timer: StepTimer | None = None,
+        decode_timer: DecodeTimer | None = None,
     ) -> None:
         self.rules = rules
         self.timer = timer  # the engine's steps
         self.slo_ttft_s = slo_ttft_s
         self.lane_timer = lane_timer  # the prefill lane's chunks, on half the threads
+        self.decode_timer = decode_timer  # decode steps by rows and context, for the TPOT price
 
     def _chunk_timer(self, snapshot: QueueSnapshot) -> tuple[StepTimer, bool]:
         """What prices prompt chunks that run while streams decode: the lane's timer where the engine
@@ -179,3 +190,44 @@ class WaitModel:
             return 0.0
         rounds = math.ceil(need / len(steps))  # more slots wanted than run now: the batch turns over
         return rounds * steps[min(need, len(steps)) - 1] * self.timer.recent_step_s()
+
+    def tpot_price(
+        self,
+        num_prompt_tokens: int,
+        own: Stream,
+        snapshot: QueueSnapshot,
+        now: float,
+        ttft_s: float | None = None,
+    ) -> TpotPrice | None:
+        """The newcomer's TPOT price (engine/tpot_model.py): every stream's predicted TPOT with it and
+        without it, the queued prompts run in the planner's order (`rank`), each priced as the wait
+        model prices prompt work; None until a decode step has been timed."""
+        decode = self.decode_timer
+        if decode is None or decode.estimate_s(1, 0, False) is None:
+            return None
+        target = self.slo_ttft_s if ttft_s is None else ttft_s
+        rules, pending = self.rules, snapshot.pending
+        chunks, on_lane = self._chunk_timer(snapshot)
+        rows = 0 if on_lane else len(snapshot.streams)
+
+        def prefill_s(item: PrefillItem) -> float:
+            return chunks.estimate_s(
+                item.tokens, rows, snapshot.prefill_cap, prompt_pairs(item.tokens, item.start)
+            )
+
+        newcomer = PrefillItem(num_prompt_tokens, now + target, target, NEWCOMER_SEQ_NO)
+        streams = snapshot.pending_streams
+        order = sorted(range(len(pending)), key=lambda i: rules.rank(pending[i], now))
+        prompts = [(prefill_s(pending[i]), streams[i] if i < len(streams) else own) for i in order]
+        mine = rules.rank(newcomer, now)
+        place = sum(1 for i in order if rules.rank(pending[i], now) < mine)
+        _, per_token = self.timer.coefficients()
+        lane, cap = snapshot.lane, snapshot.prefill_cap
+
+        def step_s(rows: int, context: int, busy: bool) -> float:
+            if lane:
+                return decode.estimate_s(rows, context, busy) or 0.0
+            # No lane: prompt chunks share the steps, up to the prefill cap each.
+            return (decode.estimate_s(rows, context, False) or 0.0) + (per_token * cap if busy else 0.0)
+
+        return price(snapshot.streams, prompts, (place, prefill_s(newcomer), own), now, step_s)

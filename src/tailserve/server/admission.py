@@ -1,8 +1,12 @@
-"""Admission control: who gets in (ready, not draining, queue bound, predicted TTFT) and who is in flight.
+"""Admission control: who gets in (ready, not draining, queue bound, predicted TTFT and TPOT) and
+who is in flight.
 
 Refuses early (503, or 429 with a Retry-After) instead of queueing work that would miss its SLO;
 it never queues or touches engine state itself, it only counts tickets and reads engine estimates.
-The engine's estimates are scaled by what admission learned of their error (WaitCorrection).
+The engine's TTFT estimates are scaled by what admission learned of their error (WaitCorrection).
+Its TPOT prices are not: they are played forward from decode steps timed as they run (a learned
+ratio of a request's TPOT to its price at admission mostly learned the requests admitted after it,
+each let in up to the line, and refused ~15% of a light load for 0.5% fewer misses in virtual time).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 
 from tailserve.engine.quote import WaitQuote
+from tailserve.engine.tpot_model import TpotPrice
 from tailserve.errors import InvalidRequestError, RequestRejectedError
 from tailserve.http.drain import Drain
 from tailserve.http.errors import ServiceUnavailableError
@@ -82,7 +87,11 @@ class Ticket:
     records its actual TTFT there when its first output arrives."""
 
     def __init__(
-        self, admission: Admission, estimate_s: float = 0.0, predicted_s: float = 0.0, teaches: bool = False
+        self,
+        admission: Admission,
+        estimate_s: float = 0.0,
+        predicted_s: float = 0.0,
+        teaches: bool = False,
     ) -> None:
         self._admission = admission
         self.estimate_s = estimate_s
@@ -189,6 +198,8 @@ class Admission:
                 f"time-to-first-token target of {ttft_s:.2f}s"
             )
             raise RequestRejectedError(message, retry_after_s=wait_s - ttft_s, reason="slo")
+        if quote.tpot is not None:
+            _check_tpot(quote.tpot)
         self.drain.enter()
         self.not_started += 1
         return Ticket(self, wait_s, predicted_s, self.correction.teaches(predicted_s, ttft_s))
@@ -212,3 +223,24 @@ def _queue_full_message(queued: int, max_waiting: int, own_admitted: int, genera
         )
     needs = f"; this request needs {generations} places" if generations > 1 else ""
     return f"Server overloaded: {queued} requests are already waiting (the limit of {max_waiting}){needs}"
+
+
+def _check_tpot(price: TpotPrice) -> None:
+    """429 when, with the newcomer, a stream predicted within its TPOT target without it would miss
+    it (one predicted to miss anyway is not saved by refusing), or the newcomer's own TPOT would
+    miss its target while alone it would not (one that misses even alone is let in: nothing
+    refused would speed it up). Retry-After: until the first stream running now is expected to end."""
+    harmed = [o for o in price.others if o.with_s > o.target_s >= o.without_s]
+    own_s, target_s = price.own_s, price.own_target_s
+    if not harmed and not own_s > target_s >= price.own_alone_s:
+        return
+    if harmed:
+        worst = max(harmed, key=lambda o: o.with_s / o.target_s)
+        what = (
+            f"{len(harmed)} running or queued request(s) over their time-per-output-token target: "
+            f"the worst predicted {1e3 * worst.with_s:.1f} ms against {1e3 * worst.target_s:.1f} ms"
+        )
+    else:
+        what = f"its own predicted TPOT {1e3 * own_s:.1f} ms over its target of {1e3 * target_s:.1f} ms"
+    message = f"Server overloaded: admitting this request would put {what}"
+    raise RequestRejectedError(message, retry_after_s=max(1.0, price.first_end_s), reason="slo_tpot")

@@ -330,9 +330,8 @@ class ServerMetrics:
         times = t.token_times
         for earlier, later in zip(times, times[1:], strict=False):
             self.itl.observe(later - earlier)
-        tpot_s = None
-        if len(times) > 1 and t.first_token is not None and t.finish is not None:
-            tpot_s = (t.finish - t.first_token) / (len(times) - 1)
+        tpot_s = t.tpot_s
+        if tpot_s is not None:
             self.tpot.observe(tpot_s)
         if slo is not None and t.ttft_s is not None:
             met = slo.ttft_s is None or t.ttft_s <= slo.ttft_s
