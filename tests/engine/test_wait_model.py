@@ -100,3 +100,20 @@ def test_prompts_beside_decoding_streams_are_priced_at_the_lane_s_speed_an_idle_
     # Without a lane the chunks go in the steps, beside the decodes, at the steps' price.
     plain = WaitModel(policy, steps, 5.0)
     assert plain.estimate_s(1000, busy, NOW) == pytest.approx(4 * 0.010 + 1000 * 0.0002)
+
+
+def test_the_lane_s_idle_gap_before_each_chunk_is_part_of_a_prompt_s_price() -> None:
+    """A lane chunk that ends starts the next one only with the next step, after the decode step it
+    ended beside (measured in process on the chat-scaled arrivals: 18 ms median a chunk of ~135 ms).
+    A prompt on the lane is priced its chunks' compute and a gap before each."""
+    steps, lane = StepTimer(budget_tokens=256), StepTimer(budget_tokens=256)
+    steps.record(_Plan(8, 0), 0.010)
+    lane.record(_Plan(256, 256), 256 * 0.0004)
+    policy = SloPolicy(SchedulerConfig(slo_ttft_s=5.0), steps, block_size=16)
+    model = WaitModel(policy, steps, 5.0, lane)
+    busy = QueueSnapshot(pending=[], num_running=3, prefill_cap=256, lane=True)
+    assert model.estimate_s(1000, busy, NOW) == pytest.approx(1000 * 0.0004)
+    lane.record_gap(0.020)
+    assert model.estimate_s(1000, busy, NOW) == pytest.approx(1000 * 0.0004 + 4 * 0.020)  # 4 chunks
+    idle = QueueSnapshot(pending=[], num_running=0, prefill_cap=256, idle_step_tokens=2048, lane=True)
+    assert model.estimate_s(1000, idle, NOW) == pytest.approx(0.010)  # one step on all threads: no lane gap

@@ -141,10 +141,10 @@ def _chat_load(tpot: bool) -> list[Outcome]:
 
 def test_admission_priced_on_tpot_keeps_the_streams_within_their_target() -> None:
     """Priced on TTFT alone, admission let in requests whose streams then ran past the 30 ms TPOT
-    target (a quarter of them here, by up to 1.4x; 55% on the served engine). With the TPOT price, a
-    newcomer that would push a stream over its target is refused: few admitted requests miss, none
-    by more than 10% (the policy lends a stream's room under its target to prefill, so streams end
-    near it), and more requests meet both targets than before, despite the extra refusals."""
+    target (30% of them here, by up to 1.4x; 55% on the served engine). With the TPOT price, a
+    newcomer that would push a stream over its target is refused: at most 3% of the admitted miss,
+    none by more than 10% (the policy lends a stream's room under its target to prefill, so streams
+    end near it), and more requests meet both targets than before, despite the extra refusals."""
 
     def met(o: Outcome) -> bool:
         return o.admitted and not o.missed(TTFT_S) and o.tpot_s is not None and o.tpot_s <= TPOT_S
@@ -155,6 +155,6 @@ def test_admission_priced_on_tpot_keeps_the_streams_within_their_target() -> Non
     before = [o for o in ttft_only if o.admitted and o.tpot_s is not None and o.tpot_s > TPOT_S]
     assert len(before) >= 0.15 * len([o for o in ttft_only if o.admitted])
     assert max(o.tpot_s or 0.0 for o in ttft_only) > 1.3 * TPOT_S
-    assert len(misses) <= 0.05 * len(admitted)
+    assert len(misses) <= 0.03 * len(admitted)
     assert all(o.tpot_s <= 1.1 * TPOT_S for o in misses if o.tpot_s is not None)
     assert sum(map(met, priced)) >= 1.1 * sum(map(met, ttft_only))

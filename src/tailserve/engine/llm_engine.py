@@ -107,6 +107,9 @@ class LLMEngine:
         # The last decode-only step, timed when the next step begins: (rows, context, beside the
         # lane, when it began).
         self._decode_step: tuple[int, int, bool, float] | None = None
+        # When the lane chunk taken since the last plan ended, if prompt work was left for the next
+        # one (None: none was, or no chunk was taken).
+        self._lane_ended: float | None = None
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
@@ -176,6 +179,7 @@ class LLMEngine:
             outputs += self._take_lane()
         begin = time.monotonic()
         self._time_decode_step(begin)
+        lane_ended, self._lane_ended = self._lane_ended, None  # a chunk taken since the last plan
         lane_busy = lane is not None and lane.busy
         lane_free = lane is not None and not lane_busy and any(r.is_decoding for r in self.scheduler.running)
         plan = self.scheduler.step_plan(begin, prefill=not lane_busy, lane=lane_free)
@@ -183,6 +187,8 @@ class LLMEngine:
         if lane is not None and lane_free and 0 < plan.num_decodes < len(plan.scheduled):
             plan, prompts = plan.split()
             self.scheduler.in_flight.update(r.request_id for r, _ in prompts.scheduled)
+            if lane_ended is not None:  # the next chunk at the first plan after: the lane's idle gap
+                self.scheduler.lane_timer.record_gap(time.monotonic() - lane_ended)
             lane.submit(prompts, step_chunks(prompts, self.tokenizer.eos_token_ids, self.grammars))
         if lane is not None and lane.busy:
             threads = max(1, (self.runner.num_threads or 1) - lane.threads)  # the decodes' share
@@ -224,6 +230,9 @@ class LLMEngine:
         # Its tokens go out now, not when the chunk ended: what a client sees.
         seconds, now = run.end - run.start, time.monotonic()
         outputs = self._after_step(run.plan, run.chunks, run.result, seconds, now, self.scheduler.lane_timer)
+        sched = self.scheduler
+        left = bool(sched.waiting) or any(not r.is_decoding for r in sched.running)
+        self._lane_ended = run.end if left else None
         self.step_stats.record(step_kind(0, len(run.plan.scheduled)), run.plan.num_tokens, run.start, run.end)
         return outputs
 

@@ -251,6 +251,9 @@ class StepTimer:
         self._fit = [0.0] * 5
         self._context: float | None = None  # recent pairs per prompt token (the mean context attended)
         self._pair_price: tuple[float, float] | None = None  # (a, b) once the fit is determined
+        # Idle seconds between one chunk's end and the next one's start while prompt work waited
+        # (the prefill lane: its next chunk starts with the step after the one it ended in).
+        self._gap_s: float | None = None
 
     def record(self, plan: Any, seconds: float) -> None:
         prompt = int(plan.num_prefill_tokens)
@@ -269,6 +272,14 @@ class StepTimer:
         self._any_step_s = self._ewma(self._any_step_s, seconds)
         self.steps += 1
         self.last_step_s = seconds
+
+    def record_gap(self, seconds: float) -> None:
+        """Idle time before a chunk that started as soon as the engine could hand it over (the lane
+        waits for the decode step it ended beside): priced once per step by `estimate_s`."""
+        self._gap_s = self._ewma(self._gap_s, seconds)
+
+    def gap_s(self) -> float:
+        return self._gap_s or 0.0
 
     def _fit_pairs(self, tokens: int, pairs: int, own: float) -> None:
         """A prompt token's price grows with the context it attends to (prompt attention reads
@@ -315,8 +326,10 @@ class StepTimer:
         may be longer: Scheduler.idle_budget). The price per token and per pair does not depend on
         the step's size, so fewer, longer steps save only their fixed parts. `pairs`: the tokens'
         query-key pairs (`prompt_pairs`), the same however the prompt is chunked, priced by the pair
-        fit once it is determined; None prices them at the context prompts attend to now."""
+        fit once it is determined; None prices them at the context prompts attend to now. Each step
+        also waits the idle gap recorded before chunks (`record_gap`; 0 for the engine's steps)."""
         step_s, per_token = self.coefficients()
+        step_s += self.gap_s()
         per_step = per_step_tokens or self.budget_tokens
         if running:
             per_step = min(per_step, self.budget_tokens - running)

@@ -229,7 +229,11 @@ def _check_tpot(price: TpotPrice) -> None:
     """429 when, with the newcomer, a stream predicted within its TPOT target without it would miss
     it (one predicted to miss anyway is not saved by refusing), or the newcomer's own TPOT would
     miss its target while alone it would not (one that misses even alone is let in: nothing
-    refused would speed it up). Retry-After: until the first stream running now is expected to end."""
+    refused would speed it up). No headroom under the target: with one (95%, and streams between
+    it and the target kept from sliding over), one served chat-scaled run at 0.8 req/s refused 58%
+    and 4.8% of the admitted still missed, against 19-47% and 3.7-15% in four runs without
+    (docs/notes/tail-under-slo.md, "Admission prices TPOT"). Retry-After: until the first stream
+    running now is expected to end."""
     harmed = [o for o in price.others if o.with_s > o.target_s >= o.without_s]
     own_s, target_s = price.own_s, price.own_target_s
     if not harmed and not own_s > target_s >= price.own_alone_s:
