@@ -350,10 +350,12 @@ def prompt_pairs(tokens: int, start: int) -> int:
 class DecodeFit:
     """Least squares of decode-only step seconds on (1, rows, context tokens), recent steps weighted
     most: a decode step reads the weights once (the fixed part), then each row's own work and the
-    KV of every context token its row attends (the part that grows as streams lengthen). Measured
-    in process on the chat-scaled arrivals (2-vCPU Sapphire Rapids, int4, 1-9 rows, 0.6-11k context
-    tokens): median error 4% on one thread, 8% on two (benchmarks/step_cost_error.py). Until steps
-    of varied rows and contexts determine it, the fit drops the rows term, then the context term."""
+    KV of every context token its row attends (the part that grows as streams lengthen). In process
+    on the chat-scaled arrivals (2-vCPU Sapphire Rapids, int4, 1-9 rows, 0.6-11k context tokens;
+    benchmarks/step_cost_error.py --rate 0.8 --requests 60), each step predicted before it is
+    learned: median error 3.1% beside the lane, 4.4% on both threads (P90 8% and 14%), where the
+    decode-step average of StepTimer is off by 4.9% (P90 22%). Until steps of varied rows and
+    contexts determine it, the fit drops the rows term, then the context term."""
 
     FORGET = 0.01  # a step's weight decays by this per later step (~100 steps)
 
