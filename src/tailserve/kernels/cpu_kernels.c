@@ -20,6 +20,14 @@
 
 typedef uint16_t bf16;
 
+/* What the build has for the tile kernels (see ts_q4_matmul): AMX, else AVX512-BF16 dot products. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TS_AMX 1
+#endif
+#if defined(__AVX512BF16__)
+#define TS_DPBF16 1
+#endif
+
 static inline float bf16_to_f32(bf16 x) {
     union { uint32_t u; float f; } v;
     v.u = ((uint32_t)x) << 16;
@@ -243,6 +251,38 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
+#if defined(TS_AMX)
+/* 2^t for t <= 8 (or very negative: 0): 2^floor(t) times a degree-4 fit of 2^f on f = t - floor(t)
+ * in [0, 1) (relative error < 3e-6, far below P's bf16 rounding): six vector operations where the
+ * degree-5 Taylor on |f| <= 1/2 it replaced took eight, in the prompt kernel's largest single cost. */
+static inline __m512 exp2_512(__m512 t) {
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF); /* t - floor(t) */
+    __m512 p = _mm512_set1_ps(1.3520600e-02f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2037430e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4142749e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300662e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025f));
+    return _mm512_scalef_ps(p, t); /* p 2^floor(t) */
+}
+
+/* bf16(silu(g) * u) at p, 16 lanes: e = e^-g by exp2_512 (-g clamped to 87: e and 1 + e stay finite),
+ * the quotient g u / (1 + e) by a reciprocal estimate and one Newton step on it (within a float32
+ * ulp or two of the division), rounded to nearest even by VCVTNEPS2BF16 (which flushes results
+ * below 2^-126 to zero). 13 vector operations and the rounding where exp512, a division and the
+ * integer rounding took ~30: this is the int4 gate|up prompt rows' epilogue, where vector work adds
+ * to the tile products' time rather than overlapping it. Below g = -87 the result is g u 2^-126
+ * (tiny) where the division form gave NaN (an overflowed e^-g times a zero reciprocal). */
+static inline void store16_silu_mul(bf16 *p, __m512 g, __m512 u) {
+    const __m512 t = _mm512_min_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)), _mm512_set1_ps(126.0f));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
+    const __m512 a = _mm512_mul_ps(g, u);
+    const __m512 r = _mm512_rcp14_ps(d);
+    const __m512 y0 = _mm512_mul_ps(a, r);
+    const __m512 y = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, y0, a), y0);
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(y));
+}
+#endif
+
 typedef struct {
     const bf16 *gu;
     bf16 *out;
@@ -251,7 +291,9 @@ typedef struct {
 
 /* Rows of out = bf16(silu(gate) * up), the float32 arithmetic of the scalar loop 16 lanes at a time
  * where AVX-512 is (e^-x from exp512, within a few float32 ulps of expf: the same bf16 result but
- * for rare last-bit ties). */
+ * for rare last-bit ties). Builds with AMX run store16_silu_mul instead (as close to the formula,
+ * finite for every finite gate), the arithmetic of the int4 gate|up prompt rows' fused epilogue, so
+ * the two paths keep the same bits. */
 static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
     const silu_args *a = (const silu_args *)arg;
     const int64_t inter = a->inter;
@@ -263,10 +305,15 @@ static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
 #if defined(__AVX512F__)
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= inter; i += 16) {
+#if defined(TS_AMX)
+            (void)one;
+            store16_silu_mul(o + i, load16_bf16(g + i), load16_bf16(u + i));
+#else
             const __m512 x = load16_bf16(g + i);
             const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
             store16_bf16(o + i, _mm512_mul_ps(silu, load16_bf16(u + i)));
+#endif
         }
 #endif
         for (; i < inter; i++) {
@@ -471,12 +518,6 @@ static inline __attribute__((always_inline)) void attend_one(
  * ts_tile_isa says which runs. */
 #define TILE_N 16
 #define GROUP_K 32
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define TS_AMX 1
-#endif
-#if defined(__AVX512BF16__)
-#define TS_DPBF16 1
-#endif
 
 static int amx_ready = 0; /* set by ts_amx_init once the OS granted tile data */
 
@@ -923,21 +964,17 @@ static inline __m512 round_bf16(__m512 x) {
 }
 
 /* Output tile t of y = silu(gate) * up from gate tile t's and up tile t + second's float32 results:
- * each rounded to bf16 first (+ bias), then silu_mul_rows' arithmetic, so the bits are those of the
- * gate|up matmul followed by ts_silu_mul. */
+ * each rounded to bf16 first (+ bias), then silu_mul_rows' arithmetic (store16_silu_mul), so the bits are
+ * those of the gate|up matmul followed by ts_silu_mul. */
 static inline void prefill_store_silu(const prefill_job *j, const float *cg, const float *cu, int64_t m0, int64_t rows,
                                       int64_t t) {
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = 0; r < rows; r++) {
         __m512 g = _mm512_loadu_ps(cg + r * 16), u = _mm512_loadu_ps(cu + r * 16);
         if (j->bias != NULL) {
             g = _mm512_add_ps(g, load16_bf16(j->bias + t * 16));
             u = _mm512_add_ps(u, load16_bf16(j->bias + (t + j->second) * 16));
         }
-        g = round_bf16(g);
-        u = round_bf16(u);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        store16_bf16(j->y + (m0 + r) * j->n_out + t * 16, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u));
+        store16_silu_mul(j->y + (m0 + r) * j->n_out + t * 16, round_bf16(g), round_bf16(u));
     }
 }
 
@@ -1029,11 +1066,14 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
 }
 
 /* One chunk of ts_q4_prefill_matmul: `pairs_per_chunk` pairs of output tiles, their weights widened
- * once, for every row. The rows go in blocks of PREFILL_ROW_BLOCK, each block through all the
- * chunk's pairs before the next, so a block's activations are read from memory once per chunk and
- * from L2 after that (one pair a chunk read all of them from memory per pair: at 1,600+ rows that,
- * not the tile products, was the matmul's time). */
-#define PREFILL_ROW_BLOCK 256
+ * once, for every row. The rows go PREFILL_ROW_STEP at a time through all the chunk's pairs before
+ * the next step, so a step's activations are read from memory once per chunk and stay in L1 across
+ * its pairs while the widened weights stream from L2 (one pair a chunk over all rows read every
+ * activation from memory per pair: at 1,600+ rows that, not the tile products, was the matmul's
+ * time), and each output line is finished while it is still in L1: one pair through 256 rows before
+ * the next wrote half of each output line of the SiLU matmul, and the other half after the line had
+ * left L1 (at 1,600 rows, one thread: 5.4 -> 5.0 ms with this order alone). */
+#define PREFILL_ROW_STEP 32
 static void prefill_chunk(const void *arg, int64_t chunk) {
     const prefill_job *j = (const prefill_job *)arg;
     const int64_t k = j->k, groups = k / GROUP_K, pairs = j->pairs;
@@ -1051,8 +1091,8 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
                                      widened + (2 * (p - p0) + half) * tile_elems + g * 512);
         }
     int64_t configured = -1;
-    for (int64_t m0 = 0; m0 < j->rows; m0 += PREFILL_ROW_BLOCK) {
-        const int64_t rows = j->rows - m0 < PREFILL_ROW_BLOCK ? j->rows - m0 : PREFILL_ROW_BLOCK;
+    for (int64_t m0 = 0; m0 < j->rows; m0 += PREFILL_ROW_STEP) {
+        const int64_t rows = j->rows - m0 < PREFILL_ROW_STEP ? j->rows - m0 : PREFILL_ROW_STEP;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t t = step * p, pair = t + j->second < j->tiles ? 2 : 1;
             const bf16 *w0 = widened + 2 * (p - p0) * tile_elems;
@@ -1216,19 +1256,6 @@ typedef struct {
     bf16 *out;
     float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
 } prompt_job;
-
-/* 2^t for t <= 8 (or very negative: 0): 2^floor(t) times a degree-4 fit of 2^f on f = t - floor(t)
- * in [0, 1) (relative error < 3e-6, far below P's bf16 rounding): six vector operations where the
- * degree-5 Taylor on |f| <= 1/2 it replaced took eight, in the prompt kernel's largest single cost. */
-static inline __m512 exp2_512(__m512 t) {
-    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF); /* t - floor(t) */
-    __m512 p = _mm512_set1_ps(1.3520600e-02f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2037430e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4142749e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300662e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025f));
-    return _mm512_scalef_ps(p, t); /* p 2^floor(t) */
-}
 
 /* V^T for kv head g and key blocks kb0 .. kb0 + repack_per - 1; keys past the context are zeros. */
 static void prompt_repack_chunk(const void *arg, int64_t chunk) {
