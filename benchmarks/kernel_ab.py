@@ -2,7 +2,9 @@
 commit's, in one process: both sources built with the server's flags, then the four layer matmuls of
 the default model's 30 layers (QKV 576->960, O 576->576, gate-up 576->3072, down 1536->576; random
 codes, so every layer's weights are cold as in a step) timed at each row count, the two builds
-alternating, the best of --repeats each. Needs AMX. Never beside another measurement.
+alternating, the best of --repeats each. `--silu` runs gate-up as it serves, through the fused
+SiLU x up kernel (`ts_q4_prefill_silu_matmul`, 1,536 outputs). Needs AMX. Never beside another
+measurement.
 
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 2   # ~30 s
 """
@@ -35,6 +37,7 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
     if lib.ts_amx_init() != 1:
         raise SystemExit("needs AMX tile data (Intel Sapphire Rapids or later)")
     lib.ts_q4_prefill_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
+    lib.ts_q4_prefill_silu_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     return lib
 
 
@@ -55,11 +58,14 @@ def forward_s(
     weights: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
     x: dict[int, torch.Tensor],
     y: torch.Tensor,
+    silu: bool = False,
 ) -> float:
     rows = y.shape[0]
     start = time.perf_counter()
     for k, n, packed, scale, low in weights:
-        lib.ts_q4_prefill_matmul(
+        fused = silu and n == 3072  # gate-up: SiLU x up of its two halves, n / 2 outputs
+        matmul = lib.ts_q4_prefill_silu_matmul if fused else lib.ts_q4_prefill_matmul
+        matmul(
             x[k].data_ptr(),
             rows,
             k,
@@ -67,7 +73,7 @@ def forward_s(
             scale.data_ptr(),
             low.data_ptr(),
             None,
-            n,
+            n // 2 if fused else n,
             y.data_ptr(),
         )
     return time.perf_counter() - start
@@ -79,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1600])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--silu", action="store_true", help="gate-up through the fused SiLU x up kernel")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = layer_weights(0)
         stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
         print(
-            f"# `benchmarks/kernel_ab.py --base {args.base} --threads {args.threads}` at {stamp} on {machine_line()}, commit {git_commit()}"
+            f"# `benchmarks/kernel_ab.py --base {args.base} --threads {args.threads}{' --silu' if args.silu else ''}` at {stamp} on {machine_line()}, commit {git_commit()}"
         )
         print(
             f"\n| rows | {args.base} ms | HEAD (working tree) ms | HEAD / {args.base} |\n| ---: | ---: | ---: | ---: |"
@@ -105,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = dict.fromkeys(libs, float("inf"))
             for r in range(args.repeats):
                 for name in list(libs) if r % 2 else list(libs)[::-1]:
-                    best[name] = min(best[name], forward_s(libs[name], weights, x, y))
+                    best[name] = min(best[name], forward_s(libs[name], weights, x, y, args.silu))
             base_ms, head_ms = 1000 * best[args.base], 1000 * best["HEAD"]
             print(f"| {rows} | {base_ms:.2f} | {head_ms:.2f} | {head_ms / base_ms:.3f} |", flush=True)
     return 0
