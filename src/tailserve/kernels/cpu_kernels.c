@@ -252,7 +252,7 @@ static inline __m512 exp512(__m512 x) {
 #endif
 
 #if defined(TS_AMX)
-/* 2^t for t <= 8 (or very negative: 0): 2^floor(t) times a degree-4 fit of 2^f on f = t - floor(t)
+/* 2^t for t < 127 (or very negative: 0): 2^floor(t) times a degree-4 fit of 2^f on f = t - floor(t)
  * in [0, 1) (relative error < 3e-6, far below P's bf16 rounding): six vector operations where the
  * degree-5 Taylor on |f| <= 1/2 it replaced took eight, in the prompt kernel's largest single cost. */
 static inline __m512 exp2_512(__m512 t) {
@@ -265,13 +265,15 @@ static inline __m512 exp2_512(__m512 t) {
     return _mm512_scalef_ps(p, t); /* p 2^floor(t) */
 }
 
-/* bf16(silu(g) * u) at p, 16 lanes: e = e^-g by exp2_512 (-g clamped to 87: e and 1 + e stay finite),
- * the quotient g u / (1 + e) by a reciprocal estimate and one Newton step on it (within a float32
- * ulp or two of the division), rounded to nearest even by VCVTNEPS2BF16 (which flushes results
- * below 2^-126 to zero). 13 vector operations and the rounding where exp512, a division and the
- * integer rounding took ~30: this is the int4 gate|up prompt rows' epilogue, where vector work adds
- * to the tile products' time rather than overlapping it. Below g = -87 the result is g u 2^-126
- * (tiny) where the division form gave NaN (an overflowed e^-g times a zero reciprocal). */
+/* bf16(silu(g) * u) at p, 16 lanes: e = e^-g by exp2_512 (its exponent -g log2 e clamped to 126, so
+ * e and 1 + e stay finite), the quotient g u / (1 + e) by a reciprocal estimate and one Newton step
+ * on it (within a float32 ulp or two of the division), rounded to nearest even by VCVTNEPS2BF16
+ * (which flushes results below 2^-126 to zero). 14 vector operations and the rounding where
+ * exp512, a division and the integer rounding took ~28: this is the int4 gate|up prompt rows'
+ * epilogue, where vector work adds to the tile products' time rather than overlapping it. Below
+ * g = -87 the result is 0, where the division form gives NaN (-ffast-math makes a vector division a
+ * reciprocal estimate and a Newton step: an overflowed e^-g times a zero reciprocal), in the
+ * AVX-512 loop and in the compiler-vectorized scalar loop alike. */
 static inline void store16_silu_mul(bf16 *p, __m512 g, __m512 u) {
     const __m512 t = _mm512_min_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)), _mm512_set1_ps(126.0f));
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
@@ -291,9 +293,10 @@ typedef struct {
 
 /* Rows of out = bf16(silu(gate) * up), the float32 arithmetic of the scalar loop 16 lanes at a time
  * where AVX-512 is (e^-x from exp512, within a few float32 ulps of expf: the same bf16 result but
- * for rare last-bit ties). Builds with AMX run store16_silu_mul instead (as close to the formula,
- * finite for every finite gate), the arithmetic of the int4 gate|up prompt rows' fused epilogue, so
- * the two paths keep the same bits. */
+ * for rare last-bit ties; NaN for gates below about -88, see store16_silu_mul). Builds with AMX run
+ * store16_silu_mul instead (as close to the formula, 0 for such gates; a row's last inter % 16
+ * still run the scalar loop), the arithmetic of the int4 gate|up prompt rows' fused epilogue, so the
+ * two paths keep the same bits. */
 static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
     const silu_args *a = (const silu_args *)arg;
     const int64_t inter = a->inter;
@@ -1067,12 +1070,13 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
 
 /* One chunk of ts_q4_prefill_matmul: `pairs_per_chunk` pairs of output tiles, their weights widened
  * once, for every row. The rows go PREFILL_ROW_STEP at a time through all the chunk's pairs before
- * the next step, so a step's activations are read from memory once per chunk and stay in L1 across
- * its pairs while the widened weights stream from L2 (one pair a chunk over all rows read every
- * activation from memory per pair: at 1,600+ rows that, not the tile products, was the matmul's
- * time), and each output line is finished while it is still in L1: one pair through 256 rows before
- * the next wrote half of each output line of the SiLU matmul, and the other half after the line had
- * left L1 (at 1,600 rows, one thread: 5.4 -> 5.0 ms with this order alone). */
+ * the next step, so a step's activations are read from memory once per chunk and stay close across
+ * its pairs (in L1 at k = 576: 36 KB) while the widened weights come from L2 (one pair a chunk over
+ * all rows read every activation from memory per pair: at 1,600+ rows that, not the tile products,
+ * was the matmul's time), and each output line is finished while it is still in L1: one pair
+ * through blocks of 256 rows before the next wrote half of each line of the SiLU output, and the
+ * other half after the line had left L1 (the fused kernel at 1,600 rows, one thread: ~5.65 -> ~5.35
+ * ms with this order alone). */
 #define PREFILL_ROW_STEP 32
 static void prefill_chunk(const void *arg, int64_t chunk) {
     const prefill_job *j = (const prefill_job *)arg;
