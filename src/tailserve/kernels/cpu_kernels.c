@@ -293,7 +293,7 @@ typedef struct {
 
 /* Rows of out = bf16(silu(gate) * up), the float32 arithmetic of the scalar loop 16 lanes at a time
  * where AVX-512 is (e^-x from exp512, within a few float32 ulps of expf: the same bf16 result but
- * for rare last-bit ties; NaN for gates below about -88, see store16_silu_mul). Builds with AMX run
+ * for rare last-bit ties; e^-g clamped at e^80, so gates far below zero give ~0, not NaN). Builds with AMX run
  * store16_silu_mul instead (as close to the formula, 0 for such gates; a row's last inter % 16
  * still run the scalar loop), the arithmetic of the int4 gate|up prompt rows' fused epilogue, so the
  * two paths keep the same bits. */
@@ -313,7 +313,9 @@ static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
             store16_silu_mul(o + i, load16_bf16(g + i), load16_bf16(u + i));
 #else
             const __m512 x = load16_bf16(g + i);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            /* -x clamped to 80: e^-x stays finite, so the division (a reciprocal and a Newton step
+             * under -ffast-math) gives ~0 for very negative gates, not inf x 0 = NaN. */
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(80.0f)));
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
             store16_bf16(o + i, _mm512_mul_ps(silu, load16_bf16(u + i)));
 #endif
@@ -321,7 +323,7 @@ static void silu_mul_rows(const void *arg, int64_t r0, int64_t r1) {
 #endif
         for (; i < inter; i++) {
             float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
+            o[i] = f32_to_bf16(x / (1.0f + expf(fminf(-x, 80.0f))) * bf16_to_f32(u[i]));
         }
     }
 }
