@@ -46,6 +46,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs,
         "max_waiting": 100_000,  # measure queueing, do not shed it
         "slo_ttft": 1000,
+        "slo_tpot": 1000,
     }
 
 

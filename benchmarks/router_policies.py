@@ -277,7 +277,8 @@ def run_policy(
         for i, port in enumerate(replica_ports):
             cmd = [*tailserve, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning"]
             cmd += ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
-            cmd += ["--max-waiting", "100000", "--slo-ttft", "1000"]  # measure queueing, do not shed it
+            shed_none = ["--slo-ttft", "1000", "--slo-tpot", "1000"]  # measure queueing, do not shed it
+            cmd += ["--max-waiting", "100000", *shed_none]
             log_path = logs / f"replica-{i}.log"
             replicas.append(stack.enter_context(ServerProcess(cmd, port, log_path, env=env, cwd=ROOT)))
         for replica in replicas:

@@ -23,6 +23,7 @@ FP32_ARGS = [
 
 @pytest.fixture(scope="session")
 def smol_fp32() -> Iterator[str]:
-    """Base URL of `tailserve serve` on SmolLM2 in fp32 (a lax TTFT target: the box is shared)."""
-    with serve_process([*FP32_ARGS, "--slo-ttft", "60"], ready_timeout_s=240) as server:
+    """Base URL of `tailserve serve` on SmolLM2 in fp32 (lax TTFT and TPOT targets: the box is shared,
+    and these tests are not about admission)."""
+    with serve_process([*FP32_ARGS, "--slo-ttft", "60", "--slo-tpot", "60"], ready_timeout_s=240) as server:
         yield server.base
