@@ -217,10 +217,11 @@ class WaitModel:
 
         newcomer = PrefillItem(num_prompt_tokens, now + target, target, NEWCOMER_SEQ_NO)
         streams = snapshot.pending_streams
-        order = sorted(range(len(pending)), key=lambda i: rules.rank(pending[i], now))
+        ranks = [rules.rank(p, now) for p in pending]
+        order = sorted(range(len(pending)), key=ranks.__getitem__)
         prompts = [(prefill_s(pending[i]), streams[i] if i < len(streams) else own) for i in order]
         mine = rules.rank(newcomer, now)
-        place = sum(1 for i in order if rules.rank(pending[i], now) < mine)
+        place = sum(1 for r in ranks if r < mine)
         _, per_token = self.timer.coefficients()
         lane, cap = snapshot.lane, snapshot.prefill_cap
 
