@@ -29,8 +29,8 @@ READY_TIMEOUT_S = 180.0
 
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[str]:
-    # A lax TTFT target: admission must not refuse requests because other jobs load the machine.
-    args = ["--model", "dummy:tiny", "--slo-ttft", "60"]
+    # Lax TTFT and TPOT targets: admission must not refuse requests because other jobs load the machine.
+    args = ["--model", "dummy:tiny", "--slo-ttft", "60", "--slo-tpot", "60"]
     with serve_process(args, ready_timeout_s=READY_TIMEOUT_S) as server:
         yield server.base
 

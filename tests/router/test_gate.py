@@ -27,7 +27,7 @@ from tests.server.harness import ServerProcess, free_port, running_process, serv
 def stack() -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """A dummy:tiny replica and a router in front of it, both with the same body limit."""
     with serve_process(
-        ["--model", "dummy:tiny", "--max-body-bytes", BODY_LIMIT, "--slo-ttft", "60"]
+        ["--model", "dummy:tiny", "--max-body-bytes", BODY_LIMIT, "--slo-ttft", "60", "--slo-tpot", "60"]
     ) as replica:
         port = free_port()
         cmd = tailserve_command("route", "--replica", replica.base, "--port", str(port))

@@ -29,7 +29,7 @@ def _with_served_model(schema: dict, name: str) -> dict:
 
 
 def test_fuzzing_finds_no_5xx_and_no_schema_violation(tmp_path: Path) -> None:
-    args = ["--model", "dummy:tiny", "--max-model-len", "256", "--slo-ttft", "60"]
+    args = ["--model", "dummy:tiny", "--max-model-len", "256", "--slo-ttft", "60", "--slo-tpot", "60"]
     with serve_process(args) as server:
         (name,) = [m["id"] for m in httpx.get(f"{server.base}/v1/models").json()["data"]]
         schema = _with_served_model(httpx.get(f"{server.base}/openapi.json").json(), name)

@@ -167,7 +167,7 @@ def smol_base(smol: LoadedModel) -> Iterator[str]:
     config = EngineConfig(
         model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=2048),
         cache=CacheConfig(kv_cache_memory_bytes=128 << 20),
-        scheduler=SchedulerConfig(slo_ttft_s=60.0),
+        scheduler=SchedulerConfig(slo_ttft_s=60.0, slo_tpot_s=60.0),
     )
     with threaded_server(AsyncEngine(config, loaded=smol), ServerConfig()) as url:
         yield url
@@ -348,7 +348,7 @@ def qwen_base() -> Iterator[tuple[str, Tokenizer]]:
     config = EngineConfig(
         model=ModelConfig(model="dummy:qwen2.5-0.5b", dtype="float32", device="cpu", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-        scheduler=SchedulerConfig(slo_ttft_s=60.0),
+        scheduler=SchedulerConfig(slo_ttft_s=60.0, slo_tpot_s=60.0),
     )
     with threaded_server(AsyncEngine(config, loaded=loaded), ServerConfig()) as url:
         yield url, loaded.tokenizer
