@@ -156,6 +156,10 @@ class SchedulerConfig:
     # this many prompt tokens instead of max_num_batched_tokens (the larger of the two counts; 0: the
     # step budget). Off where prompt rows run oneDNN (kernels per row count, created before serving).
     prefill_step_tokens: int = 2048
+    # Where admitting a request at once would push a running stream over its TPOT target, hold its
+    # prompt in the queue until a stream is expected to end, if its first token still comes within
+    # its TTFT target, instead of refusing it (engine/tpot_model.py; False: refuse, 429 slo_tpot).
+    admission_hold: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")

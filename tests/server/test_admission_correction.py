@@ -12,6 +12,7 @@ import pytest
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.quote import WaitQuote
+from tailserve.engine.tpot_model import StreamTpot, TpotPrice
 from tailserve.errors import RequestRejectedError
 from tailserve.server.admission import Admission, WaitCorrection
 from tailserve.server.config import ServerConfig
@@ -139,3 +140,23 @@ def test_server_learns_slow_first_tokens_and_refuses_fast() -> None:
                 assert factor == 1.0
                 assert r.status_code == 200
                 assert r.json()["tailserve_timings"]["admission_estimate_s"] == pytest.approx(0.04)
+
+
+def test_a_held_request_is_priced_with_its_hold_and_refused_when_that_breaks_its_ttft() -> None:
+    """A newcomer the TPOT price holds until a stream ends: its reported estimate and what the
+    correction learns include the hold, and where the corrected TTFT runs past its target it is
+    refused as `slo_tpot` (the TPOT price is why it would have to wait)."""
+    clock = Clock()
+    engine = FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=1.0), wait_estimate_s=0.4)
+    admission = admission_over(engine, clock)
+    stream = StreamTpot(0.028, 0.028, 0.03)
+    held = TpotPrice(0.02, 0.02, 0.03, (stream,), 0.5, hold_s=0.5, own_first_s=0.7)
+    ticket = admission.admit(WaitQuote(10, 1.0, 0.4, 0.1, held))
+    assert ticket.estimate_s == pytest.approx(0.7) and ticket.held_s == 0.5
+    ticket.done()
+    teach(admission, engine, clock, WaitCorrection.MIN_SAMPLES, actual_s=0.8)  # twice the prediction
+    assert admission.correction.factor() == pytest.approx(2.0)
+    with pytest.raises(RequestRejectedError) as refused:
+        admission.admit(WaitQuote(10, 1.0, 0.4, 0.1, held))  # 0.7 s x 2: past the 1 s target
+    assert refused.value.reason == "slo_tpot"
+    assert "first token in 1.40s" in str(refused.value)

@@ -60,7 +60,9 @@ def test_vllm_named_gauges_equal_the_engine_state_under_load(smol: LoadedModel) 
     config = EngineConfig(
         model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=512),
         cache=CacheConfig(kv_cache_memory_bytes=16 << 20, block_size=BLOCK_SIZE),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, slo_ttft_s=600.0, slo_tpot_s=60.0),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, slo_ttft_s=600.0, slo_tpot_s=60.0
+        ),
     )
     engine = AsyncEngine(config, loaded=smol)
     errors: list[BaseException] = []

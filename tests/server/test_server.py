@@ -68,7 +68,9 @@ def assert_idle(base: str) -> None:
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[str]:
     # Lax TTFT and TPOT targets: admission must not refuse requests because other jobs load the machine.
-    with serve_process(["--model", "dummy:tiny", "--max-body-bytes", "256KiB", "--slo-ttft", "60", "--slo-tpot", "60"]) as server:
+    with serve_process(
+        ["--model", "dummy:tiny", "--max-body-bytes", "256KiB", "--slo-ttft", "60", "--slo-tpot", "60"]
+    ) as server:
         yield server.base
 
 
@@ -519,7 +521,9 @@ def test_cache_salt_from_api_key_keeps_keys_apart(tmp_path: Path) -> None:
     classes = tmp_path / "slo_classes.json"
     classes.write_text(json.dumps({"api_keys": {"key-2": "interactive"}}))  # a second key
     args = ["--model", "dummy:tiny", "--api-key", "key-1", "--slo-classes", str(classes)]
-    with serve_process([*args, "--cache-salt-from-api-key", "--slo-ttft", "60", "--slo-tpot", "60"]) as server:
+    with serve_process(
+        [*args, "--cache-salt-from-api-key", "--slo-ttft", "60", "--slo-tpot", "60"]
+    ) as server:
         text = "A system prompt that both keys send, long enough for several blocks."
         assert _cached_tokens(server.base, text, api_key="key-1") == 0
         hit = _cached_tokens(server.base, text, api_key="key-1")

@@ -213,7 +213,9 @@ def test_interactive_requests_get_first_tokens_before_queued_batch_ones(smol: Lo
     config = EngineConfig(
         model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=1024),
         cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
-        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, slo_ttft_s=60.0, slo_tpot_s=60.0),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32, max_num_seqs=8, slo_ttft_s=60.0, slo_tpot_s=60.0
+        ),
     )
     engine = AsyncEngine(config, loaded=smol)
     first_token: dict[str, float] = {}

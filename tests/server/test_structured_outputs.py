@@ -36,7 +36,9 @@ def base(smol: LoadedModel) -> Iterator[str]:
     config = EngineConfig(
         model=ModelConfig(model="default", dtype="float32", device="cpu", max_model_len=2048),
         cache=CacheConfig(kv_cache_memory_bytes=128 << 20),
-        scheduler=SchedulerConfig(slo_ttft_s=60.0, slo_tpot_s=60.0),  # a loaded machine must not get requests refused
+        scheduler=SchedulerConfig(
+            slo_ttft_s=60.0, slo_tpot_s=60.0
+        ),  # a loaded machine must not get requests refused
     )
     with threaded_server(AsyncEngine(config, loaded=smol), ServerConfig()) as url:
         yield url

@@ -66,6 +66,7 @@ class Outcome:
     alone_s: float = 0.0  # its own prefill as predicted
     ttft_s: float | None = None
     tpot_s: float | None = None
+    held: bool = False  # admitted with a hold (its prompt waits for a stream to end)
     gaps_s: list[float] = field(default_factory=list)  # between its output tokens (ITL)
 
     def missed(self, target_s: float) -> bool:
@@ -111,7 +112,11 @@ class VirtualServer:
         self.scheduler.idle_budget = config.idle_step_tokens
         self.decode_timer = DecodeTimer()
         self.wait_model = WaitModel(
-            self.scheduler.policy, self.timer, config.slo_ttft_s, decode_timer=self.decode_timer
+            self.scheduler.policy,
+            self.timer,
+            config.slo_ttft_s,
+            decode_timer=self.decode_timer,
+            admission_hold=config.admission_hold,
         )
         view = _EngineView(EngineConfig(scheduler=config), self.scheduler)
         self.admission = Admission(view, WaitCorrection(enabled=correction, clock=self.clock))  # type: ignore[arg-type]
@@ -132,8 +137,10 @@ class VirtualServer:
                 outcomes.append(self._offer(*pending.pop(0)))
             plan = self.scheduler.step_plan(self.clock.now)
             if not plan.scheduled:
-                assert pending, "the scheduler planned nothing with requests left"
-                self.clock.now = pending[0][0]
+                held = self.scheduler.held_s(self.clock.now)  # a prompt admission holds: its time
+                assert pending or held > 0, "the scheduler planned nothing with requests left"
+                wake = [pending[0][0]] if pending else []
+                self.clock.now = min([*wake, *([self.clock.now + held] if held > 0 else [])])
                 continue
             seconds = self.cost(plan)
             end = self.clock.now + seconds
@@ -169,6 +176,9 @@ class VirtualServer:
         name = f"r{self._seq}"
         ids = [(self._seq * 31 + j) % 5000 + 1 for j in range(prompt)]
         request = Request(name, ids, params, RequestTimings(arrival=arrival), seq_no=self._seq)
+        if tpot is not None and tpot.hold_s > 0:  # as AsyncEngine.submit queues it
+            request.not_before = self.clock.now + tpot.hold_s
+            outcome.held = True
         self._seq += 1
         self.scheduler.add(request)
         self._live[name] = (request, outcome, ticket)

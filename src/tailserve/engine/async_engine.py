@@ -46,6 +46,7 @@ class _Add:
     seq: int
     slo: SloTarget | None
     fork_of: str | None
+    not_before: float = 0.0  # admission's hold: its prompt starts no sooner
 
 
 @dataclass
@@ -149,7 +150,10 @@ class AsyncEngine:
         wait = model.estimate(work, snapshot, now, ttft_s)
         tpot = model.tpot_price(work, own, snapshot, now, ttft_s)
         ticket = admit(WaitQuote(work, ttft_s, wait.ttft_s, wait.alone_s, tpot))
-        stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of)
+        # Admitted with a hold (the TPOT price found none at once): the prompt waits in the queue
+        # until a stream is expected to end, within its TTFT target.
+        not_before = now + tpot.hold_s if tpot is not None and tpot.hold_s > 0 else 0.0
+        stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of, not_before)
         return Admitted(ticket, stream)
 
     def generate(
@@ -178,16 +182,20 @@ class AsyncEngine:
         ttft_s: float,
         slo: SloTarget | None,
         fork_of: str | None,
+        not_before: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         now = time.monotonic()
         seq = next(self._add_seq)
-        item = _Add(request_id, list(prompt_token_ids), params, stream, loop, now, seq, slo, fork_of)
+        item = _Add(
+            request_id, list(prompt_token_ids), params, stream, loop, now, seq, slo, fork_of, not_before
+        )
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
             own = self.engine.scheduler.new_stream(len(prompt_token_ids), params, slo)
+            own = dataclasses.replace(own, start_at=not_before)
             self._unseen[item.seq] = (unseen_item(work_tokens, now, ttft_s), own)
         self._inbox.put(item)
         return self._outputs(request_id, stream)
@@ -258,8 +266,10 @@ class AsyncEngine:
             except Exception:  # serving works without it: kernels then compile on first use
                 log.exception("creating the prompt-row kernels failed; they compile on first use")
         while not self._stopping.is_set():
-            block = not engine.has_unfinished()
-            if not self._drain_inbox(block):
+            # Idle, or with nothing to run until a held prompt's time: wait for the inbox meanwhile.
+            held_s = engine.held_idle_s()
+            block = not engine.has_unfinished() or held_s > 0
+            if not self._drain_inbox(block, min(held_s, 0.05) if held_s > 0 else 0.5):
                 break
             try:
                 outputs = engine.step()
@@ -279,10 +289,10 @@ class AsyncEngine:
             if isinstance(item, _Flush):
                 item.done.set_exception(EngineDeadError("the engine is shutting down"))
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply pending adds/aborts; wait for one if idle. False once asked to stop."""
+    def _drain_inbox(self, block: bool, timeout_s: float = 0.5) -> bool:
+        """Apply pending adds/aborts; wait up to `timeout_s` for one if `block`. False once asked to stop."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return not self._stopping.is_set()
         while True:
@@ -307,7 +317,13 @@ class AsyncEngine:
         self._applied.append(item.seq)
         try:
             self.engine.add_request(
-                item.request_id, item.prompt_token_ids, item.params, item.arrival, item.slo, item.fork_of
+                item.request_id,
+                item.prompt_token_ids,
+                item.params,
+                item.arrival,
+                item.slo,
+                item.fork_of,
+                not_before=item.not_before,
             )
         except Exception as exc:
             with self._lock:  # drop the map entry only if it is this request's own stream

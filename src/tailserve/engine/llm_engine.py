@@ -91,6 +91,7 @@ class LLMEngine:
             config.scheduler.slo_ttft_s,
             self.scheduler.lane_timer,
             self.scheduler.decode_timer,
+            config.scheduler.admission_hold,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_plan: StepPlan | None = None  # for tests and debugging
@@ -120,10 +121,12 @@ class LLMEngine:
         arrival: float | None = None,
         slo: SloTarget | None = None,
         fork_of: str | None = None,
+        not_before: float = 0.0,
     ) -> None:
         """Check the engine's limits, then queue. Raises a typed error, changing nothing, if the request is bad.
         `slo`: its own latency targets (None: the engine's). `fork_of`: the id of a request with the same
-        prompt whose full KV blocks it takes by reference once that prompt is computed (n > 1)."""
+        prompt whose full KV blocks it takes by reference once that prompt is computed (n > 1).
+        `not_before`: admission's hold (time.monotonic()): its prompt starts no sooner."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         check_limits(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
@@ -139,6 +142,7 @@ class LLMEngine:
             seq_no=next(self._seq),
             generator=torch.Generator().manual_seed(seed),
             slo=slo,
+            not_before=not_before,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             grammar=None if params.grammar is None else self.grammars.matcher(params.grammar),
         )
@@ -161,6 +165,15 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._lane_outputs)
+
+    def held_idle_s(self) -> float:
+        """Seconds until a prompt held by admission may start, where the last step ran nothing and
+        nothing else is in flight (the caller may wait that long for new requests); else 0."""
+        if self.last_plan is None or self.last_plan.scheduled or self._lane_outputs:
+            return 0.0
+        if self.lane is not None and self.lane.busy:
+            return 0.0
+        return self.scheduler.held_s(time.monotonic())
 
     def flush_prefix_cache(self, force: bool = False) -> bool:
         """Empty the prefix cache; refused (False) while requests are queued or running, unless forced

@@ -350,6 +350,9 @@ class Request:
     # waits (a waiting request has matched nothing yet; once running, num_computed_tokens counts them).
     expected_cached_tokens: int = 0
     slo: SloTarget | None = None  # its own latency targets (None: the engine's), read by `slo` and admission
+    # Admission's hold (the engine's clock): a waiting prompt starts no sooner, so that the streams
+    # running when it came keep their TPOT (engine/tpot_model.py); 0: none.
+    not_before: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

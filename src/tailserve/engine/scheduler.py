@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
@@ -131,7 +131,7 @@ class Scheduler:
         plan.prefill_cap = self.policy.prefill_cap(protect, budget, now)
         left = min(budget, plan.prefill_cap)
         candidates = [r for r in self.running if not r.is_decoding and r.request_id not in self.in_flight]
-        candidates += list(self.waiting)
+        candidates += [r for r in self.waiting if r.not_before <= now]  # a held prompt waits its turn
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         first = next(iter([*order.savable, *order.past_saving]), None)
         if first is not None and self._idle_step_longer(plan.num_decodes):
@@ -306,6 +306,10 @@ class Scheduler:
                 param="max_tokens",
             )
 
+    def held_s(self, now: float) -> float:
+        """Seconds until the first waiting prompt held by admission may start; 0 if none is held."""
+        return min((r.not_before - now for r in self.waiting if r.not_before > now), default=0.0)
+
     def queue_snapshot(self, now: float) -> QueueSnapshot:
         """Prompt work not yet done, with each request's TTFT deadline: what admission control reads."""
         prefilling = [*self.waiting, *(r for r in self.running if not r.is_decoding)]
@@ -332,7 +336,8 @@ class Scheduler:
         if req.is_decoding and req.timings.first_token is not None:
             done = req.num_output_tokens - 1
             return Stream(tpot_s, self._steps_left(req), len(req.token_ids), done, req.timings.first_token)
-        return self.new_stream(len(req.token_ids), req.params, req.slo)
+        stream = self.new_stream(len(req.token_ids), req.params, req.slo)
+        return replace(stream, start_at=req.not_before) if req.not_before else stream
 
     def new_stream(self, prompt_tokens: int, params: SamplingParams, slo: SloTarget | None) -> Stream:
         """A request not yet streaming as the TPOT price sees it: its expected gaps (its max_tokens, or

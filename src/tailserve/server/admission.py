@@ -92,9 +92,11 @@ class Ticket:
         estimate_s: float = 0.0,
         predicted_s: float = 0.0,
         teaches: bool = False,
+        held_s: float = 0.0,
     ) -> None:
         self._admission = admission
         self.estimate_s = estimate_s
+        self.held_s = held_s  # queued with a hold this long (its TPOT price found none at once)
         self._predicted_s = predicted_s
         self._teaches = teaches
         self._admitted_at = admission.correction.clock()
@@ -176,7 +178,11 @@ class Admission:
         when those, not others, filled the queue)."""
         self.check_available()
         limits = self._engine.config.scheduler
-        ttft_s, predicted_s = quote.ttft_s, quote.predicted_wait_s
+        ttft_s, predicted_s, tpot = quote.ttft_s, quote.predicted_wait_s, quote.tpot
+        held = tpot is not None and tpot.hold_s > 0  # to start once a stream ends: its TTFT counts that
+        if held:
+            assert tpot is not None
+            predicted_s = max(predicted_s, tpot.own_first_s)
         wait_s = predicted_s * self.correction.factor()
         # The engine counts its own queue; our count also covers requests handed over but not yet seen
         # there. At most max_num_seqs of those can be running (prefilling) rather than waiting.
@@ -187,7 +193,7 @@ class Admission:
         # A request with nothing queued ahead starts with the next step: refusing it saves no one,
         # and no server could give it a sooner first token, so it is let in even when its own
         # prefill alone runs past its target (its estimate says so).
-        if quote.queued and wait_s > ttft_s:
+        if quote.queued and not held and wait_s > ttft_s:
             learned = (
                 ""
                 if wait_s == predicted_s
@@ -198,11 +204,12 @@ class Admission:
                 f"time-to-first-token target of {ttft_s:.2f}s"
             )
             raise RequestRejectedError(message, retry_after_s=wait_s - ttft_s, reason="slo")
-        if quote.tpot is not None:
-            _check_tpot(quote.tpot)
+        if tpot is not None:
+            _check_tpot(tpot, wait_s if held else None, ttft_s)
         self.drain.enter()
         self.not_started += 1
-        return Ticket(self, wait_s, predicted_s, self.correction.teaches(predicted_s, ttft_s))
+        held_s = tpot.hold_s if tpot is not None else 0.0
+        return Ticket(self, wait_s, predicted_s, self.correction.teaches(predicted_s, ttft_s), held_s)
 
     def release(self) -> None:
         """Called by Ticket.done()."""
@@ -225,20 +232,29 @@ def _queue_full_message(queued: int, max_waiting: int, own_admitted: int, genera
     return f"Server overloaded: {queued} requests are already waiting (the limit of {max_waiting}){needs}"
 
 
-def _check_tpot(price: TpotPrice) -> None:
+def _check_tpot(price: TpotPrice, held_wait_s: float | None, ttft_s: float) -> None:
     """429 when, with the newcomer, a stream predicted within its TPOT target without it would miss
     it (one predicted to miss anyway is not saved by refusing), or the newcomer's own TPOT would
     miss its target while alone it would not (one that misses even alone is let in: nothing
-    refused would speed it up). No headroom under the target: with one (95%, and streams between
+    refused would speed it up): `TpotPrice.keeps_promises`. Where the price holds the newcomer
+    until a stream ends (`held_wait_s`: its TTFT so, with the learned correction), also when that
+    TTFT runs past `ttft_s`. No headroom under the target: with one (95%, and streams between
     it and the target kept from sliding over), one served chat-scaled run at 0.8 req/s refused 58%
     and 4.8% of the admitted still missed, against 19-47% and 3.7-15% in four runs without
     (docs/notes/tail-under-slo.md, "Admission prices TPOT"). Retry-After: until the first stream
     running now is expected to end."""
-    harmed = [o for o in price.others if o.with_s > o.target_s >= o.without_s]
+    harmed = price.harmed()
     own_s, target_s = price.own_s, price.own_target_s
-    if not harmed and not own_s > target_s >= price.own_alone_s:
+    late = held_wait_s is not None and held_wait_s > ttft_s
+    if not harmed and not price.own_misses() and not late:
         return
-    if harmed:
+    if late:
+        assert held_wait_s is not None
+        what = (
+            f"a running request over its time-per-output-token target, and waiting for one to end "
+            f"would give its first token in {held_wait_s:.2f}s, past its target of {ttft_s:.2f}s"
+        )
+    elif harmed:
         worst = max(harmed, key=lambda o: o.with_s / o.target_s)
         what = (
             f"{len(harmed)} running or queued request(s) over their time-per-output-token target: "

@@ -207,6 +207,14 @@ def register(subparsers: Any) -> None:
         "decode steps instead of inside them (the steady-tail lane; --no-prefill-lane: one step for all)",
     )
     s.add_argument(
+        "--admission-hold",
+        action=argparse.BooleanOptionalAction,
+        default=_SCHED.admission_hold,
+        help="where a request let in at once would push a stream over its TPOT target, queue its "
+        "prompt until a stream is expected to end, if its TTFT target still holds, instead of a 429 "
+        "(--no-admission-hold: refuse it)",
+    )
+    s.add_argument(
         "--past-saving-share",
         type=float,
         default=_SCHED.past_saving_share,

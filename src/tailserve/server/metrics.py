@@ -281,6 +281,12 @@ class ServerMetrics:
         self.rejected = Counter(
             "tailserve_requests_rejected", "Requests refused by admission control.", ["reason"], registry=r
         )
+        self.held = Counter(
+            "tailserve_admission_held",
+            "Requests admitted with a hold: queued until a stream is expected to end, since starting at "
+            "once would push a stream over its TPOT target (--admission-hold).",
+            registry=r,
+        )
         # One series per configured SLO class (a bounded set: --slo-classes), met or missed.
         self.slo_requests = Counter(
             "tailserve_slo_requests",

@@ -211,6 +211,8 @@ class Serving:
                 )
                 run = _Run(rid, self._engine, self._metrics, admitted.ticket, prepared.slo)
                 run.gen = admitted.stream
+                if admitted.ticket.held_s > 0:
+                    self._metrics.held.inc()
                 runs.append(run)
             job = prepared.job(admission_estimate_s=runs[0].ticket.estimate_s)
             firsts = await until_disconnect(_all([anext(r.gen) for r in runs]), receive, closing)
