@@ -20,7 +20,14 @@ from dataclasses import dataclass, field, replace
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import SchedulePolicy, make_policy, order_prefills, prefill_item
-from tailserve.engine.request import Request, RequestStatus, SamplingParams, SloTarget, tpot_target_s
+from tailserve.engine.request import (
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SloTarget,
+    tpot_target_s,
+    ttft_target_s,
+)
 from tailserve.engine.stats import DecodeTimer, EngineStats, Ewma, StepTimer, prompt_pairs
 from tailserve.engine.tpot_model import Stream
 from tailserve.engine.wait_model import QueueSnapshot
@@ -134,6 +141,8 @@ class Scheduler:
         candidates += [r for r in self.waiting if r.not_before <= now]  # a held prompt waits its turn
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         first = next(iter([*order.savable, *order.past_saving]), None)
+        if lane and first is not None and self._lane_waits(first, [r for r, _ in plan.scheduled], now):
+            left = 0  # the decodes take all threads this step; the lane goes once they have room
         if first is not None and self._idle_step_longer(plan.num_decodes):
             # No stream to protect: the first prompt in order may go in one longer step, up to
             # idle_budget. Only the first: a queue of prompts still goes a budget at a time, so a
@@ -305,6 +314,53 @@ class Scheduler:
                 f"({kv.num_blocks * kv.block_size} tokens): lower max_tokens or give the pool more memory",
                 param="max_tokens",
             )
+
+    def _lane_waits(self, first: Request, decodes: list[Request], now: float) -> bool:
+        """Whether the prefill lane sits out this step so that no stream is pushed over its TPOT
+        target (--pace-lane; issue 40: steps bounded by what each stream's target allows).
+
+        A lane chunk of C seconds slows the decodes beside it from their all-threads step to their
+        step beside the lane (`DecodeTimer`): a stream loses C x (1 - all / beside) against decoding
+        on all threads. Its room is its target times all its gaps, less the time taken so far, less
+        its expected remaining gaps at the all-threads step: the lane goes when every stream's room
+        covers the loss. A stream predicted to miss even without the chunk (no room) holds nothing
+        back, as at admission. The rule gives way to the first prompt in order whose TTFT deadline
+        would otherwise pass: once its prefill, still to run on the lane, plus one chunk's wait
+        would end after its deadline, the lane runs whatever the streams' room."""
+        if not self.config.pace_lane or not decodes:
+            return False
+        timer = self.lane_timer
+        _, per_token = timer.coefficients()
+        if per_token <= 0:
+            return False  # no chunk timed yet
+        work = (
+            first.num_uncomputed_tokens if first.status is RequestStatus.RUNNING else first.prompt_work_tokens
+        )
+        start = max(len(first.token_ids) - work, 0)
+        chunk = min(work, self.config.max_num_batched_tokens)
+        chunk_s = timer.estimate_s(chunk, 0, None, prompt_pairs(chunk, start))
+        rest_s = timer.estimate_s(work, 0, None, prompt_pairs(work, start))
+        deadline = first.timings.arrival + ttft_target_s(first.slo, self.config.slo_ttft_s)
+        if first.timings.first_token is None and now + rest_s + chunk_s > deadline:
+            return False  # its TTFT target needs the lane now
+        rows, context = len(decodes), sum(len(r.token_ids) for r in decodes)
+        all_s = self.decode_timer.estimate_s(rows, context, False)
+        beside_s = self.decode_timer.estimate_s(rows, context, True)
+        if all_s is None or beside_s is None or beside_s <= all_s:
+            return False
+        loss_s = chunk_s * (1.0 - all_s / beside_s)
+        for r in decodes:
+            if r.timings.first_token is None:
+                continue
+            tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
+            gaps_left = self._steps_left(r)
+            gaps_done = r.num_output_tokens - 1
+            room = (
+                tpot * (gaps_done + gaps_left) - (now - r.timings.first_token) - gaps_left * min(all_s, tpot)
+            )
+            if 0 <= room < loss_s:
+                return True
+        return False
 
     def held_s(self, now: float) -> float:
         """Seconds until the first waiting prompt held by admission may start; 0 if none is held."""

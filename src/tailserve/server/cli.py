@@ -215,6 +215,14 @@ def register(subparsers: Any) -> None:
         "(--no-admission-hold: refuse it)",
     )
     s.add_argument(
+        "--pace-lane",
+        action=argparse.BooleanOptionalAction,
+        default=_SCHED.pace_lane,
+        help="with the prefill lane: run a prompt chunk there only where every stream's TPOT target "
+        "has room for the slower decode steps beside it, unless a prompt's TTFT deadline needs it "
+        "(--no-pace-lane: the lane runs whenever prompt work waits)",
+    )
+    s.add_argument(
         "--past-saving-share",
         type=float,
         default=_SCHED.past_saving_share,

@@ -1,0 +1,100 @@
+"""The prefill lane paced by the streams' TPOT targets (--pace-lane): a prompt chunk goes on the lane
+only where every decoding stream has room under its target for the slower steps beside it, the
+decodes take all threads meanwhile, and a prompt whose TTFT deadline needs the lane gets it anyway.
+
+The scheduler runs here without a model, its timers fed known steps: a lane chunk of 256 tokens
+takes 135 ms, a decode step 10 ms on all threads and 20 ms beside the lane (so a chunk costs each
+stream 135 x (1 - 10 / 20) = 67.5 ms against decoding on all threads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tailserve.config import SchedulerConfig
+from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.request import Request, RequestStatus, RequestTimings, SamplingParams
+from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.stats import StepTimer
+
+NOW = 100.0
+TPOT_S = 0.03
+
+
+@dataclass
+class _Plan:
+    num_tokens: int
+    num_prefill_tokens: int
+
+
+def _scheduler(pace: bool = True) -> Scheduler:
+    config = SchedulerConfig(slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace)
+    scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), StepTimer())
+    scheduler.lane = True
+    scheduler.lane_timer.record(_Plan(0, 0), 0.0)  # no fixed part: a chunk is its tokens
+    scheduler.lane_timer.record(_Plan(256, 256), 0.135)
+    for rows in (1, 2, 3):
+        for context in (500, 1500, 3000):
+            scheduler.decode_timer.record(rows, context, 0.010, beside_lane=False)
+            scheduler.decode_timer.record(rows, context, 0.020, beside_lane=True)
+    return scheduler
+
+
+def _stream(scheduler: Scheduler, gaps_done: int, seconds_so_far: float, gaps_left: int) -> Request:
+    """A decoding stream `seconds_so_far` after its first token, `gaps_done` gaps streamed and
+    `gaps_left` expected (its max_tokens, with ignore_eos)."""
+    params = SamplingParams(max_tokens=gaps_done + 1 + gaps_left, ignore_eos=True)
+    req = Request("s", list(range(1, 101)), params, RequestTimings(arrival=0.0), seq_no=0)
+    scheduler.add(req)
+    scheduler.postprocess(scheduler.step_plan(0.0))  # its prompt, in one step
+    req.token_ids += [7] * (gaps_done + 1)
+    req.num_computed_tokens = len(req.token_ids) - 1
+    req.timings.first_token = NOW - seconds_so_far
+    assert req.status is RequestStatus.RUNNING and req.is_decoding
+    return req
+
+
+def _prompt(scheduler: Scheduler, arrival: float, tokens: int = 1000) -> None:
+    params = SamplingParams(max_tokens=8)
+    scheduler.add(Request("p", list(range(1, tokens + 1)), params, RequestTimings(arrival=arrival), seq_no=1))
+
+
+def _lane_tokens(scheduler: Scheduler) -> int:
+    """Prompt tokens the step at NOW gives the lane."""
+    return scheduler.step_plan(NOW, lane=True).num_prefill_tokens
+
+
+# Rooms under the 30 ms target (Scheduler._lane_waits): 30 ms x all gaps - the time so far - the
+# gaps left at the all-threads step (10 ms).
+def test_the_lane_waits_while_a_stream_has_no_room_for_a_chunk() -> None:
+    roomy = _scheduler()  # 99 gaps at 20 ms, 50 to go: room 4.47 - 1.98 - 0.5 = 1.99 s
+    _stream(roomy, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)
+    _prompt(roomy, arrival=NOW)
+    assert _lane_tokens(roomy) > 0
+
+    tight = _scheduler()  # 99 gaps at 29.9 ms, 1 to go: room 3.0 - 2.96 - 0.01 = 30 ms < 67.5 ms
+    _stream(tight, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    _prompt(tight, arrival=NOW)
+    plan = tight.step_plan(NOW, lane=True)
+    assert plan.num_prefill_tokens == 0 and plan.num_decodes == 1  # the decode runs on all threads
+
+    unpaced = _scheduler(pace=False)  # --no-pace-lane: the lane runs whatever the room
+    _stream(unpaced, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    _prompt(unpaced, arrival=NOW)
+    assert _lane_tokens(unpaced) > 0
+
+
+def test_a_stream_that_misses_anyway_does_not_hold_the_lane_back() -> None:
+    scheduler = _scheduler()  # 99 gaps at 35 ms: over its target whatever runs
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.035, gaps_left=1)
+    _prompt(scheduler, arrival=NOW)
+    assert _lane_tokens(scheduler) > 0
+
+
+def test_a_prompt_whose_ttft_deadline_needs_the_lane_gets_it() -> None:
+    scheduler = _scheduler()
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    # 1,000 tokens take 0.53 s on the lane; arrived 1.4 s ago against a 2 s target, after one more
+    # chunk's wait it would end past its deadline.
+    _prompt(scheduler, arrival=NOW - 1.4)
+    assert _lane_tokens(scheduler) > 0
