@@ -16,7 +16,7 @@ import httpx
 
 from tailserve.bench.errors import TargetError
 from tailserve.bench.records import RequestRecord, allocate_tokens
-from tailserve.bench.sse import MalformedSSEError, SSEParser, snippet
+from tailserve.bench.sse import MalformedSSEError, SSEParser, snippet, sse_lines
 from tailserve.bench.tokenizers import PromptTokenizer
 from tailserve.bench.workload import TurnPlan
 
@@ -186,7 +186,7 @@ async def _stream(
             _fail(record, classify_status(resp.status_code), f"HTTP {resp.status_code}: {_error_text(raw)}")
             return
         parser = SSEParser()
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp.aiter_bytes()):
             payload = parser.feed_line(line)
             if payload is not None and _on_event(payload, state, time.perf_counter() - sent, record):
                 return

@@ -7,9 +7,12 @@ as zero tokens). Multi-line `data` fields are joined with newlines, as the SSE s
 
 from __future__ import annotations
 
+import codecs
 import re
+from collections.abc import AsyncIterable, AsyncIterator
 
 _FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+_LINE_END = re.compile(r"\r\n|\r|\n")  # the only line ends SSE knows
 _SNIPPET = 120
 
 
@@ -61,3 +64,32 @@ class SSEParser:
         payload = "\n".join(self._data)
         self._data = []
         return payload
+
+
+async def sse_lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
+    """The stream's lines, split only where the SSE spec ends a line (CR LF, LF or CR). httpx's
+    `aiter_lines` also splits on NEL, U+2028, U+2029 and other characters JSON strings may carry
+    raw, which cut a `data:` line in two (seen: a random prompt's output token)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    async for chunk in chunks:
+        pending += decoder.decode(chunk)
+        lines, pending = _split_sse(pending)
+        for line in lines:
+            yield line
+    pending += decoder.decode(b"", final=True)
+    lines, pending = _split_sse(pending, final=True)
+    for line in lines:
+        yield line
+    if pending:
+        yield pending
+
+
+def _split_sse(text: str, final: bool = False) -> tuple[list[str], str]:
+    """Complete lines of `text` and the rest; a CR at the end waits for the next chunk (it may be
+    half of a CR LF) unless `final`."""
+    held = ""
+    if not final and text.endswith("\r"):
+        text, held = text[:-1], "\r"
+    parts = _LINE_END.split(text)
+    return parts[:-1], parts[-1] + held

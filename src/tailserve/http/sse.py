@@ -22,9 +22,20 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# Characters JSON may carry raw that Python's str.splitlines (httpx's `iter_lines`, and the clients
+# built on it) takes for line ends: escaped, so such a client never splits an event inside its JSON.
+_LINE_ENDS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: dict[str, Any]) -> str:
+    """Compact JSON on one line for an SSE `data:` field, whatever line splitting the client uses
+    (NEL, U+2028 and U+2029 escaped: the same JSON value)."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).translate(_LINE_ENDS_JSON_KEEPS)
+
+
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One `data:` event; compact JSON on a single line."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + sse_json(payload).encode() + b"\n\n"
 
 
 async def wait_for_disconnect(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> None:

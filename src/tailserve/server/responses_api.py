@@ -21,6 +21,7 @@ from tailserve.engine.request import RequestOutput
 from tailserve.errors import InvalidRequestError
 from tailserve.http.errors import UnsupportedParameterError
 from tailserve.http.json_body import parse_json
+from tailserve.http.sse import sse_json
 from tailserve.server.protocol import _Body, validate_body
 from tailserve.server.request_ids import request_id_of
 from tailserve.server.responses import Job, timings, usage
@@ -385,8 +386,7 @@ class ResponseRender:
 
 
 def _sse(data: dict[str, Any]) -> bytes:
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {data['type']}\ndata: {payload}\n\n".encode()
+    return f"event: {data['type']}\ndata: {sse_json(data)}\n\n".encode()
 
 
 class ResponseEvents:
