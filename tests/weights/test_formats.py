@@ -165,7 +165,8 @@ def test_prompt_rows_on_prepacked_weights_are_within_bf16_of_the_plain_gemm() ->
 @pytest.mark.parametrize("n_out", [96, 80])  # 80: an odd count of 16-output tiles (the kernel pairs them)
 def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
     """The AMX int4 prompt-row kernel (what the int4 plan runs prompt rows on where AMX is) sums all of
-    K per tile in one fixed order: a row's bits are the same in any slice of any batch."""
+    K per tile in one fixed order: a row's bits are the same in any slice of any batch, under its
+    work split by pairs of tiles alone (below 1,024 rows) and by row blocks too (from 1,024 on)."""
     if cpu_kernels.amx() is None:
         pytest.skip(
             f"needs AMX (Intel Sapphire Rapids or later); this CPU's tile ISA: {cpu_kernels.tile_isa()}"
@@ -173,18 +174,18 @@ def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
     t = _blocks("Q4_1", n_out, 576, seed=11)
     source = WeightSource(dequantize_tensor(t), int4_from_blocks(t))
     layer = Linear(source, None, "int4", "int4")
-    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    x = torch.randn(1300, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     full = layer.prefill_matmul(x)
     _assert_within_bf16(full, x.float() @ source.dense.to(torch.bfloat16).float().T)
-    for start, rows in SLICES:
+    for start, rows in (*SLICES, (0, 1023), (276, 1024), (37, 1111)):
         assert torch.equal(layer.prefill_matmul(x[start : start + rows]), full[start : start + rows])
 
 
-@pytest.mark.parametrize("rows", [1, 17, 40, 300, 600])
+@pytest.mark.parametrize("rows", [1, 17, 40, 300, 600, 1100])
 def test_int4_prompt_rows_silu_fused_equals_matmul_then_silu_bit_for_bit(rows: int) -> None:
     """Prompt rows of a gate|up linear through the fused SiLU x up epilogue give exactly the bits of
     the gate|up product followed by the SiLU x up kernel, at row counts on every path of the kernel
-    (16-row tails, 2 x 2 tiles, several row blocks), with a bias too."""
+    (16-row tails, 2 x 2 tiles, several row blocks, the work split by row blocks), with a bias too."""
     if cpu_kernels.amx() is None:
         pytest.skip(
             f"needs AMX (Intel Sapphire Rapids or later); this CPU's tile ISA: {cpu_kernels.tile_isa()}"

@@ -1132,8 +1132,10 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
  * (when the 768 KB allow), the row blocks giving the balance. A chunk then writes longer runs of each
  * output row and reads fewer rows' activations per pair block; a thread widens a pair block once and
  * keeps it for the row blocks it takes after (chunks go pair block by pair block). Two threads,
- * one layer's matmuls at 1,600 rows: qkv 1.03 -> 0.81-0.85 ms, o 0.67 -> 0.51, down 1.35 -> 1.17
- * (benchmarks/kernel_ab.py for the 30 layers). Rows are independent: the same bits either way. */
+ * one layer at 1,600 rows (best of 30, two runs each): qkv 0.97-1.06 -> 0.83-0.97 ms, o 0.62-0.69 ->
+ * 0.51-0.54, down 1.43-1.52 -> 1.23-1.30, SiLU gate|up 2.62-2.69 -> 2.45-2.66; the 30 layers'
+ * (benchmarks/kernel_ab.py --silu) 0.87x at 1,600 rows, 0.83x at 4,000, ~1.0x at 512-768 (so not
+ * below 1,024: at 256 rows, one pair block a thread was 1.07x). Rows are independent: same bits. */
 #define PREFILL_SPLIT_ROWS 1024
 #define PREFILL_ROW_BLOCK 256
 static void prefill_run(prefill_job *job) {
