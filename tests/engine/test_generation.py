@@ -211,6 +211,10 @@ def test_prefill_lane_same_tokens(
     llm = _lane_llm(smol, engine_config, max_num_batched_tokens=32, max_num_seqs=16)
     engine, outs, lane_steps = llm.engine, dict[str, list[int]](), 0
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    lane, chunks = engine.lane, []
+    assert lane is not None
+    submit = lane.submit
+    lane.submit = lambda plan, c: chunks.append(plan) or submit(plan, c)  # type: ignore[method-assign]
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
         for _ in range(3):
@@ -221,7 +225,7 @@ def test_prefill_lane_same_tokens(
     assert lane_steps >= len(prompts) - 1  # every prompt after the first met a decoding stream
     assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
     # The lane's chunks are timed apart from the steps (half the threads), and counted once.
-    assert engine.scheduler.lane_timer.steps >= len(prompts) - 1
+    assert engine.scheduler.lane_timer.steps == len(chunks) >= 1
     stats = engine.stats()
     assert stats.steps_total == sum(h.count for h in stats.steps.duration_s)
     _assert_pool_free(llm)
@@ -251,6 +255,36 @@ def test_abort_of_a_prompt_on_the_prefill_lane(
     while engine.has_unfinished():
         _collect(outs, engine.step())
     assert outs["a"] == reference[0] and outs["c"] == reference[2]
+    _assert_pool_free(llm)
+
+
+def test_a_lane_chunk_s_first_token_does_not_wait_for_another_decode_step(
+    smol: LoadedModel, engine_config: Callable[..., EngineConfig], prompts: list[list[int]]
+) -> None:
+    """Once a lane chunk ends, the next step hands out its first token before it plans or runs
+    anything: a client sees the token when the prompt is done, not one decode step later."""
+    llm = _lane_llm(smol, engine_config)
+    engine, outs = llm.engine, dict[str, list[int]]()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    engine.add_request("a", prompts[0], params)
+    while "a" not in outs:
+        _collect(outs, engine.step())
+    engine.add_request("b", prompts[1], params)
+    _collect(outs, engine.step())
+    lane = engine.lane
+    assert lane is not None and engine.scheduler.in_flight == {"b"}
+    while not lane.done():
+        _collect(outs, engine.step())
+    assert "b" not in outs
+    runs: list[int] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda *a, **k: runs.append(1) or execute(*a, **k)  # type: ignore[method-assign]
+    first = engine.step()
+    assert [o.request_id for o in first] == ["b"] and len(first[0].new_token_ids) == 1
+    assert not runs  # no step ran before the token went out
+    while engine.has_unfinished():
+        _collect(outs, engine.step())
+    assert runs and outs["b"]  # the steps go on after it
     _assert_pool_free(llm)
 
 

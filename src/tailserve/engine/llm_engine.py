@@ -184,12 +184,15 @@ class LLMEngine:
 
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and the model once; return an output per request that advanced
-        (and those of a prefill-lane chunk that ended since the last step)."""
+        """Run one scheduling step and the model once; return an output per request that advanced.
+        Where a prefill-lane chunk ended since the last step, return its outputs alone at once, without
+        planning or running a step: its first tokens do not wait for another decode step."""
         outputs, self._lane_outputs = self._lane_outputs, []
         lane = self.lane
         if lane is not None and lane.done():
             outputs += self._take_lane()
+        if outputs:  # a lane chunk's first tokens go out now, not after one more decode step
+            return outputs
         begin = time.monotonic()
         self._time_decode_step(begin)
         lane_ended, self._lane_ended = self._lane_ended, None  # a chunk taken since the last plan
