@@ -153,7 +153,9 @@ class AsyncEngine:
         # Admitted with a hold (the TPOT price found none at once): the prompt waits in the queue
         # until a stream is expected to end, within its TTFT target.
         not_before = now + tpot.hold_s if tpot is not None and tpot.hold_s > 0 else 0.0
-        stream = self._enqueue(request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of, not_before)
+        stream = self._enqueue(
+            request_id, prompt_token_ids, params, work, ttft_s, slo, fork_of, not_before, own
+        )
         return Admitted(ticket, stream)
 
     def generate(
@@ -183,7 +185,9 @@ class AsyncEngine:
         slo: SloTarget | None,
         fork_of: str | None,
         not_before: float = 0.0,
+        own: Stream | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Queue the request for the engine thread; `own`: its stream as priced, if it was."""
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         now = time.monotonic()
@@ -194,7 +198,8 @@ class AsyncEngine:
         with self._lock:
             # A duplicate id keeps the first stream; add_request refuses the second (see _apply).
             self._streams.setdefault(request_id, (loop, stream))
-            own = self.engine.scheduler.new_stream(len(prompt_token_ids), params, slo)
+            if own is None:
+                own = self.engine.scheduler.new_stream(len(prompt_token_ids), params, slo)
             own = dataclasses.replace(own, start_at=not_before)
             self._unseen[item.seq] = (unseen_item(work_tokens, now, ttft_s), own)
         self._inbox.put(item)

@@ -199,10 +199,9 @@ class SloPolicy:
             if not r.timings.first_token:
                 continue
             tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
-            gaps_after = self.tokens_left(r) - 1  # this step yields one token; these come after it
             future_s = min(recent_s, tpot)
-            done_gaps = r.num_output_tokens - 1
-            room = tpot * (done_gaps + 1 + gaps_after) - (now - r.timings.first_token) - gaps_after * future_s
+            # This step yields one token; the stream's other gaps left come after it.
+            room = stream_room_s(r, tpot, now, self.tokens_left(r), future_s) + future_s
             budgets.append(min(max(room, tpot), self.MAX_ITL_FACTOR * tpot))
         return min(budgets, default=self.config.slo_tpot_s)
 
@@ -210,6 +209,15 @@ class SloPolicy:
         return min(
             candidates, key=lambda r: (r.timings.first_token is not None, r.num_computed_tokens, -r.seq_no)
         )
+
+
+def stream_room_s(r: Request, tpot_s: float, now: float, gaps_left: int, gap_s: float) -> float:
+    """What a decoding stream's TPOT target leaves after its `gaps_left` gaps still to come at
+    `gap_s` each: the target times all its gaps, less the time since its first token and those
+    gaps. Negative: the stream misses its target even at that pace."""
+    assert r.timings.first_token is not None
+    gaps_done = r.num_output_tokens - 1
+    return tpot_s * (gaps_done + gaps_left) - (now - r.timings.first_token) - gaps_left * gap_s
 
 
 def make_policy(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
-from tailserve.engine.policy import SchedulePolicy, make_policy, order_prefills, prefill_item
+from tailserve.engine.policy import SchedulePolicy, make_policy, order_prefills, prefill_item, stream_room_s
 from tailserve.engine.request import (
     Request,
     RequestStatus,
@@ -353,11 +353,7 @@ class Scheduler:
             if r.timings.first_token is None:
                 continue
             tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
-            gaps_left = self._steps_left(r)
-            gaps_done = r.num_output_tokens - 1
-            room = (
-                tpot * (gaps_done + gaps_left) - (now - r.timings.first_token) - gaps_left * min(all_s, tpot)
-            )
+            room = stream_room_s(r, tpot, now, self._steps_left(r), min(all_s, tpot))
             if 0 <= room < loss_s:
                 return True
         return False

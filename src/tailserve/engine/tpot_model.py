@@ -161,13 +161,30 @@ def price(
     shortest hold until a stream ends (at most MAX_HOLDS tried) that pushes none over and still
     gives its first token within this many seconds; None, or no such hold: the price at once."""
     without_ends, without_firsts = finish_times(streams, prompts, now, step_s)
-    own_prefill_s, own = newcomer[1], newcomer[2]
+    place, own_prefill_s, own = newcomer
     alone_ends, alone_firsts = finish_times([], [(own_prefill_s, own)], now, step_s)
     own_alone_s = tpot_of(own, alone_firsts[0], alone_ends[0])
     first_end = min((without_ends[i] for i, s in enumerate(streams) if s.gaps_left > 0), default=now)
 
     def held(hold_s: float) -> TpotPrice:
-        return _price_held(streams, prompts, newcomer, now, step_s, without_ends, without_firsts, hold_s)
+        """The newcomer's price with its prompt held `hold_s` seconds (own_alone_s and first_end_s left 0)."""
+        mine = replace(own, start_at=now + hold_s) if hold_s > 0 else own
+        with_prompts = [*prompts[:place], (own_prefill_s, mine), *prompts[place:]]
+        with_ends, with_firsts = finish_times(streams, with_prompts, now, step_s)
+        others: list[StreamTpot] = []
+        for i, s in enumerate(streams):
+            first = s.first_token if s.first_token is not None else now
+            others.append(
+                StreamTpot(tpot_of(s, first, with_ends[i]), tpot_of(s, first, without_ends[i]), s.tpot_s)
+            )
+        n = len(streams)
+        for j, (_, s) in enumerate(prompts):
+            k = j if j < place else j + 1  # its index among the prompts with the newcomer
+            w = tpot_of(s, with_firsts[k], with_ends[n + k])
+            wo = tpot_of(s, without_firsts[j], without_ends[n + j])
+            others.append(StreamTpot(w, wo, s.tpot_s))
+        own_s = tpot_of(mine, with_firsts[place], with_ends[n + place])
+        return TpotPrice(own_s, 0.0, mine.tpot_s, tuple(others), 0.0, hold_s, with_firsts[place] - now)
 
     at_once = replace(held(0.0), own_alone_s=own_alone_s, first_end_s=first_end - now)
     if ttft_budget_s is None or at_once.keeps_promises():
@@ -182,34 +199,3 @@ def price(
 
 
 MAX_HOLDS = 8  # stream ends a newcomer's hold may run to: the price plays the future once per try
-
-
-def _price_held(
-    streams: Sequence[Stream],
-    prompts: Sequence[tuple[float, Stream]],
-    newcomer: tuple[int, float, Stream],
-    now: float,
-    step_s: StepPrice,
-    without_ends: list[float],
-    without_firsts: list[float],
-    hold_s: float,
-) -> TpotPrice:
-    """The newcomer's price with its prompt held `hold_s` seconds (own_alone_s and first_end_s left 0)."""
-    place, own_prefill_s, own = newcomer
-    own = replace(own, start_at=now + hold_s) if hold_s > 0 else own
-    with_prompts = [*prompts[:place], (own_prefill_s, own), *prompts[place:]]
-    with_ends, with_firsts = finish_times(streams, with_prompts, now, step_s)
-    others: list[StreamTpot] = []
-    for i, s in enumerate(streams):
-        first = s.first_token if s.first_token is not None else now
-        others.append(
-            StreamTpot(tpot_of(s, first, with_ends[i]), tpot_of(s, first, without_ends[i]), s.tpot_s)
-        )
-    n = len(streams)
-    for j, (_, s) in enumerate(prompts):
-        k = j if j < place else j + 1  # its index among the prompts with the newcomer
-        w = tpot_of(s, with_firsts[k], with_ends[n + k])
-        wo = tpot_of(s, without_firsts[j], without_ends[n + j])
-        others.append(StreamTpot(w, wo, s.tpot_s))
-    own_s = tpot_of(own, with_firsts[place], with_ends[n + place])
-    return TpotPrice(own_s, 0.0, own.tpot_s, tuple(others), 0.0, hold_s, with_firsts[place] - now)
