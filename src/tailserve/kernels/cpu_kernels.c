@@ -1522,11 +1522,14 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
 }
 
 /* A few row tiles of one kv head (heaviest first: the last rows see the most keys), one tile
- * configuration for all of them. */
+ * configuration for all of them. The chunks go kv head by kv head, so the K and V^T a thread reads
+ * stay one head's (1 MB at 4,000 keys, which its 2 MB L2 holds; three heads' it did not hold: 4,000
+ * rows, one layer, 2 threads, 14.0 -> 12.7 ms). */
 #define PA_TILES_PER_CHUNK 4
 static void prompt_tile_chunk(const void *arg, int64_t chunk) {
     const prompt_job *j = (const prompt_job *)arg;
-    const int64_t g = chunk % j->kv_heads, first = (chunk / j->kv_heads) * PA_TILES_PER_CHUNK;
+    const int64_t per_head = (j->row_tiles + PA_TILES_PER_CHUNK - 1) / PA_TILES_PER_CHUNK;
+    const int64_t g = chunk / per_head, first = (chunk % per_head) * PA_TILES_PER_CHUNK;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
