@@ -108,6 +108,7 @@ def commit_round(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     cmd += ["--weight-format", args.weight_format, "--rows", str(args.rows), "--prompt", str(args.prompt)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += [] if args.threads is None else ["--threads", str(args.threads)]
+    cmd += ["--policy", args.policy]
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -368,6 +369,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     commits.add_argument("--warmup", type=int, default=5)
     commits.add_argument("--threads", type=int, default=None, help="engine threads (default: as the server)")
     commits.add_argument("--weight-format", default="int4")
+    commits.add_argument(
+        "--policy", default="slo", help="the engines' policy: fcfs prefills a prompt past 2,048 tokens in one step"
+    )
     commits.add_argument("--model", default="default")
     commits.set_defaults(run=run_commits)
     features = sub.add_parser(

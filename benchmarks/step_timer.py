@@ -38,7 +38,7 @@ def engine_for(
                 model=model,
                 weight_format=weight_format,
                 device=device,
-                max_model_len=2048,
+                max_model_len=max(2048, step_tokens + 64),
                 num_threads=threads,
             ),
             cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
@@ -114,10 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1600)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--policy", default="slo", help="fcfs: no prefill cap splits the prompt (past 2,048 tokens)")
     args = parser.parse_args(argv)
     import tailserve
 
-    engine = engine_for(args.model, args.rows, args.prompt, args.threads, args.weight_format)
+    engine = engine_for(args.model, args.rows, args.prompt, args.threads, args.weight_format, policy=args.policy)
     figures = one_round(engine, args.rows, args.prompt, args.steps, args.warmup)
     print(
         json.dumps({"source": tailserve.__file__, "weight_format": engine.weight_format, "figures": figures})
