@@ -181,6 +181,25 @@ def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
         assert torch.equal(layer.prefill_matmul(x[start : start + rows]), full[start : start + rows])
 
 
+def test_int4_prompt_rows_streamed_output_has_the_bits_of_a_small_batch() -> None:
+    """A prompt-row product of 4 MB or more (a 4,000-token step's qkv) goes out by non-temporal
+    stores: its rows, with a bias too, are bit for bit those of slices small enough to be stored as
+    usual."""
+    if cpu_kernels.amx() is None:
+        pytest.skip(
+            f"needs AMX (Intel Sapphire Rapids or later); this CPU's tile ISA: {cpu_kernels.tile_isa()}"
+        )
+    t = _blocks("Q4_1", 1024, 576, seed=31)
+    source = WeightSource(dequantize_tensor(t), int4_from_blocks(t))
+    bias = torch.randn(1024, generator=torch.Generator().manual_seed(32))
+    layer = Linear(source, bias, "int4", "int4")
+    x = torch.randn(2100, 576, generator=torch.Generator().manual_seed(33)).to(torch.bfloat16)
+    full = layer.prefill_matmul(x)  # 2,100 x 1,024 bf16: 4.3 MB
+    _assert_within_bf16(full, x.float() @ source.dense.to(torch.bfloat16).float().T + bias.to(torch.bfloat16).float())
+    for start, rows in ((0, 1), (5, 17), (0, 1023), (1077, 1023)):
+        assert torch.equal(layer.prefill_matmul(x[start : start + rows]), full[start : start + rows])
+
+
 @pytest.mark.parametrize("rows", [1, 17, 40, 300, 600, 1100])
 def test_int4_prompt_rows_silu_fused_equals_matmul_then_silu_bit_for_bit(rows: int) -> None:
     """Prompt rows of a gate|up linear through the fused SiLU x up epilogue give exactly the bits of
