@@ -1136,6 +1136,15 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
 #endif
 
 #if defined(TS_AMX)
+/* From this many bytes of output on (twice a core's L2), the plain matmul's output lines go out by
+ * non-temporal stores, a pair's two tiles as one 64-byte line: no read for ownership of each line,
+ * no eviction of the widened weights and activations the chunk still reads; the same bits. Two
+ * threads, one layer at 4,000 rows (best of 20): qkv 2.11 -> 1.82 ms, o 1.18 -> 1.10, down 3.20 ->
+ * 3.10 (one thread: 3.98 -> 3.34, 2.01 -> 2.05, 5.81 -> 5.59); a 4,000-token step in process 970 ->
+ * 913 ms. Not below: from 2 MB on, a 2,000-token step was 383 -> 403 ms (the next kernel then reads
+ * from memory an output it found in L3), and at 1,600 rows qkv alone 0.82 -> 0.84 ms. */
+#define PREFILL_STREAM_BYTES (4 << 20)
+
 /* The work split. Pairs a chunk: widened weights of at most ~768 KB (they stay in L2 beside a row
  * block), one pair a chunk for a few rows (nothing to reuse). Below PREFILL_SPLIT_ROWS rows a chunk
  * takes every row and there are at least 4 chunks a thread for balance. From PREFILL_SPLIT_ROWS rows
@@ -1146,22 +1155,26 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
  * one layer at 1,600 rows (best of 30, two runs each): qkv 0.97-1.06 -> 0.83-0.97 ms, o 0.62-0.69 ->
  * 0.51-0.54, down 1.43-1.52 -> 1.23-1.30, SiLU gate|up 2.62-2.69 -> 2.45-2.66; the 30 layers'
  * (benchmarks/kernel_ab.py --silu) 0.87x at 1,600 rows, 0.83x at 4,000, ~1.0x at 512-768 (so not
- * below 1,024: at 256 rows, one pair block a thread was 1.07x). Rows are independent: same bits. */
+ * below 1,024: at 256 rows, one pair block a thread was 1.07x). Rows are independent: same bits.
+ * Below PREFILL_SPLIT_ROWS the pairs a chunk may grow (up to 2x, within the 768 KB) where that gives
+ * the busiest thread fewer pairs: o and down have 18 pairs, 9 chunks of 2 at two threads (one thread
+ * took 5, the other 4), now 6 of 3 (down at 512 rows, 2 threads: 0.47 -> 0.44 ms). */
 #define PREFILL_SPLIT_ROWS 1024
-/* From this many bytes of output on (twice a core's L2), the plain matmul's output lines go out by
- * non-temporal stores, a pair's two tiles as one 64-byte line: no read for ownership of each line,
- * no eviction of the widened weights and activations the chunk still reads; the same bits. Two
- * threads, one layer at 4,000 rows (best of 20): qkv 2.11 -> 1.82 ms, o 1.18 -> 1.10, down 3.20 ->
- * 3.10 (one thread: 3.98 -> 3.34, 2.01 -> 2.05, 5.81 -> 5.59); a 4,000-token step in process 970 ->
- * 913 ms. Not below: from 2 MB on, a 2,000-token step was 383 -> 403 ms (the next kernel then reads
- * from memory an output it found in L3), and at 1,600 rows qkv alone 0.82 -> 0.84 ms. */
-#define PREFILL_STREAM_BYTES (4 << 20)
 #define PREFILL_ROW_BLOCK 256
 static void prefill_run(prefill_job *job) {
     const int split = job->rows >= PREFILL_SPLIT_ROWS;
     int64_t per = (768 << 10) / (2 * job->k * TILE_N * (int64_t)sizeof(bf16));
     const int64_t balance = job->pairs / ((split ? 1 : 4) * (int64_t)pool_threads);
+    const int64_t cap = per;
     per = per < balance ? per : balance;
+    if (!split && per >= 1 && pool_threads > 1) { /* see PREFILL_SPLIT_ROWS: the busiest thread's pairs */
+        int64_t best = per, least = INT64_MAX;
+        for (int64_t p = per; p <= cap && p <= 2 * per; p++) {
+            const int64_t blocks = (job->pairs + p - 1) / p, busiest = (blocks + pool_threads - 1) / pool_threads * p;
+            if (busiest < least) least = busiest, best = p;
+        }
+        per = best;
+    }
     job->pairs_per_chunk = job->rows < 64 || per < 1 ? 1 : per;
     const int64_t pair_blocks = (job->pairs + job->pairs_per_chunk - 1) / job->pairs_per_chunk;
     job->pairs_per_chunk = (job->pairs + pair_blocks - 1) / pair_blocks; /* the blocks evened out */
