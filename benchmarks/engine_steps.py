@@ -370,7 +370,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     commits.add_argument("--threads", type=int, default=None, help="engine threads (default: as the server)")
     commits.add_argument("--weight-format", default="int4")
     commits.add_argument(
-        "--policy", default="slo", help="the engines' policy: fcfs prefills a prompt past 2,048 tokens in one step"
+        "--policy",
+        default="slo",
+        help="the engines' policy: fcfs prefills a prompt past 2,048 tokens in one step",
     )
     commits.add_argument("--model", default="default")
     commits.set_defaults(run=run_commits)

@@ -114,11 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=1600)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--policy", default="slo", help="fcfs: no prefill cap splits the prompt (past 2,048 tokens)")
+    parser.add_argument(
+        "--policy", default="slo", help="fcfs: no prefill cap splits the prompt (past 2,048 tokens)"
+    )
     args = parser.parse_args(argv)
     import tailserve
 
-    engine = engine_for(args.model, args.rows, args.prompt, args.threads, args.weight_format, policy=args.policy)
+    engine = engine_for(
+        args.model, args.rows, args.prompt, args.threads, args.weight_format, policy=args.policy
+    )
     figures = one_round(engine, args.rows, args.prompt, args.steps, args.warmup)
     print(
         json.dumps({"source": tailserve.__file__, "weight_format": engine.weight_format, "figures": figures})

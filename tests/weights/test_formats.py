@@ -195,7 +195,9 @@ def test_int4_prompt_rows_streamed_output_has_the_bits_of_a_small_batch() -> Non
     layer = Linear(source, bias, "int4", "int4")
     x = torch.randn(2100, 576, generator=torch.Generator().manual_seed(33)).to(torch.bfloat16)
     full = layer.prefill_matmul(x)  # 2,100 x 1,024 bf16: 4.3 MB
-    _assert_within_bf16(full, x.float() @ source.dense.to(torch.bfloat16).float().T + bias.to(torch.bfloat16).float())
+    _assert_within_bf16(
+        full, x.float() @ source.dense.to(torch.bfloat16).float().T + bias.to(torch.bfloat16).float()
+    )
     for start, rows in ((0, 1), (5, 17), (0, 1023), (1077, 1023)):
         assert torch.equal(layer.prefill_matmul(x[start : start + rows]), full[start : start + rows])
 
