@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,6 +22,14 @@ def _restore_torch_threads() -> Iterator[None]:
     yield
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_the_heap() -> Iterator[None]:
+    """A server freezes the heap once ready (tailserve.server.app): thaw it after each test, so the
+    objects a finished test leaves frozen can still be collected."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
