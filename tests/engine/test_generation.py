@@ -200,6 +200,20 @@ def _collect(outs: dict[str, list[int]], step: list[RequestOutput]) -> None:
         outs.setdefault(o.request_id, []).extend(o.new_token_ids)
 
 
+def _lane_llm_decoding(
+    smol: LoadedModel, engine_config: Callable[..., EngineConfig], prompt: list[int]
+) -> tuple[LLM, dict[str, list[int]], SamplingParams]:
+    """A lane engine with request "a" decoding (its first token out), so the next prompts go to the
+    lane; the outputs collected so far and the greedy parameters."""
+    llm = _lane_llm(smol, engine_config)
+    outs: dict[str, list[int]] = {}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    llm.engine.add_request("a", prompt, params)
+    while "a" not in outs:
+        _collect(outs, llm.engine.step())
+    return llm, outs, params
+
+
 def test_prefill_lane_same_tokens(
     smol: LoadedModel,
     engine_config: Callable[..., EngineConfig],
@@ -239,12 +253,8 @@ def test_abort_of_a_prompt_on_the_prefill_lane(
 ) -> None:
     """Aborting a request whose chunk is computing on the lane waits for the chunk (its KV blocks are
     being written) and frees them; the chunk's other prompt and the decoding stream go on unchanged."""
-    llm = _lane_llm(smol, engine_config)
-    engine, outs = llm.engine, dict[str, list[int]]()
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    engine.add_request("a", prompts[0], params)
-    while "a" not in outs:
-        _collect(outs, engine.step())
+    llm, outs, params = _lane_llm_decoding(smol, engine_config, prompts[0])
+    engine = llm.engine
     engine.add_request("b", prompts[1], params)
     engine.add_request("c", prompts[2], params)
     _collect(outs, engine.step())
@@ -263,12 +273,8 @@ def test_a_lane_chunk_s_first_token_does_not_wait_for_another_decode_step(
 ) -> None:
     """Once a lane chunk ends, the next step hands out its first token before it plans or runs
     anything: a client sees the token when the prompt is done, not one decode step later."""
-    llm = _lane_llm(smol, engine_config)
-    engine, outs = llm.engine, dict[str, list[int]]()
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    engine.add_request("a", prompts[0], params)
-    while "a" not in outs:
-        _collect(outs, engine.step())
+    llm, outs, params = _lane_llm_decoding(smol, engine_config, prompts[0])
+    engine = llm.engine
     engine.add_request("b", prompts[1], params)
     _collect(outs, engine.step())
     lane = engine.lane
@@ -298,12 +304,8 @@ def test_a_failed_lane_chunk_fails_a_step_and_holds_no_block(
 ) -> None:
     """An error on the lane's thread surfaces from a step on the loop's thread (where the server
     aborts everything), and leaves nothing in flight: every request aborts and frees its blocks."""
-    llm = _lane_llm(smol, engine_config)
-    engine, outs = llm.engine, dict[str, list[int]]()
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    engine.add_request("a", prompts[0], params)
-    while "a" not in outs:
-        _collect(outs, engine.step())
+    llm, _, params = _lane_llm_decoding(smol, engine_config, prompts[0])
+    engine = llm.engine
     assert engine.lane is not None
     engine.lane.runner = _FailingRunner()  # type: ignore[assignment]
     engine.add_request("b", prompts[1], params)
