@@ -167,7 +167,7 @@ def price(
     first_end = min((without_ends[i] for i, s in enumerate(streams) if s.gaps_left > 0), default=now)
 
     def held(hold_s: float) -> TpotPrice:
-        """The newcomer's price with its prompt held `hold_s` seconds (own_alone_s and first_end_s left 0)."""
+        """The newcomer's price with its prompt held `hold_s` seconds."""
         mine = replace(own, start_at=now + hold_s) if hold_s > 0 else own
         with_prompts = [*prompts[:place], (own_prefill_s, mine), *prompts[place:]]
         with_ends, with_firsts = finish_times(streams, with_prompts, now, step_s)
@@ -184,13 +184,16 @@ def price(
             wo = tpot_of(s, without_firsts[j], without_ends[n + j])
             others.append(StreamTpot(w, wo, s.tpot_s))
         own_s = tpot_of(mine, with_firsts[place], with_ends[n + place])
-        return TpotPrice(own_s, 0.0, mine.tpot_s, tuple(others), 0.0, hold_s, with_firsts[place] - now)
+        first_end_s = first_end - now
+        return TpotPrice(
+            own_s, own_alone_s, mine.tpot_s, tuple(others), first_end_s, hold_s, with_firsts[place] - now
+        )
 
-    at_once = replace(held(0.0), own_alone_s=own_alone_s, first_end_s=first_end - now)
+    at_once = held(0.0)
     if ttft_budget_s is None or at_once.keeps_promises():
         return at_once
     for end in sorted({e for e in without_ends if e > now})[:MAX_HOLDS]:
-        p = replace(held(end - now), own_alone_s=own_alone_s, first_end_s=first_end - now)
+        p = held(end - now)
         if p.own_first_s > ttft_budget_s:
             break  # later holds give later first tokens
         if p.keeps_promises():
