@@ -27,8 +27,8 @@ class _Plan:
     num_prefill_tokens: int
 
 
-def _scheduler(pace: bool = True) -> Scheduler:
-    config = SchedulerConfig(slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace)
+def _scheduler(pace: bool = True, budget: int = 2048) -> Scheduler:
+    config = SchedulerConfig(slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace, max_num_batched_tokens=budget)
     scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), StepTimer())
     scheduler.lane = True
     scheduler.lane_timer.record(_Plan(0, 0), 0.0)  # no fixed part: a chunk is its tokens
@@ -98,3 +98,24 @@ def test_a_prompt_whose_ttft_deadline_needs_the_lane_gets_it() -> None:
     # chunk's wait it would end past its deadline.
     _prompt(scheduler, arrival=NOW - 1.4)
     assert _lane_tokens(scheduler) > 0
+
+
+def test_a_prompt_the_lane_cannot_finish_by_its_deadline_yields_to_one_it_can() -> None:
+    # The steps on all threads take a 256-token chunk in 70 ms, the lane in 135 ms. Prompt A (1,000
+    # tokens, 0.5 s to its deadline) ends in time at the steps' price (0.27 s) but not at the lane's
+    # (0.53 s), where its chunks go while a stream decodes: it is past saving and yields to B (200
+    # tokens, due in 2 s), which the lane takes first; A keeps the rest of the chunk.
+    scheduler = _scheduler(budget=512)
+    scheduler.timer.record(_Plan(0, 0), 0.0)
+    scheduler.timer.record(_Plan(256, 256), 0.070)
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)  # room for the lane
+    late, fresh = (
+        Request(
+            name, list(range(1, n + 1)), SamplingParams(max_tokens=8), RequestTimings(arrival=t), seq_no=k
+        )
+        for name, n, t, k in (("a", 1000, NOW - 1.5, 1), ("b", 200, NOW, 2))
+    )
+    scheduler.add(late)
+    scheduler.add(fresh)
+    chunks = {req.request_id: n for req, n in scheduler.step_plan(NOW, lane=True).scheduled[1:]}
+    assert chunks == {"b": 200, "a": 312}

@@ -124,15 +124,19 @@ class SloPolicy:
         timer: StepTimer,
         block_size: int,
         tokens_left: Callable[[Request], int] | None = None,
+        prompt_timer: Callable[[], StepTimer] | None = None,
     ) -> None:
         self.config = config
         self.timer = timer
         self.min_chunk = block_size
         # Output tokens a running request is expected to produce still (default: up to max_tokens).
         self.tokens_left = tokens_left or (lambda r: max(r.params.max_tokens - r.num_output_tokens, 1))
+        # What prices a prompt's own prefill in `rank`: the timer of wherever prompts run now (the
+        # prefill lane's chunks, on half the threads, while streams decode; default: the steps').
+        self.prompt_timer = prompt_timer or (lambda: timer)
 
     def _prefill_s(self, tokens: int, start: int) -> float:
-        return self.timer.estimate_s(
+        return self.prompt_timer().estimate_s(
             tokens, 0, pairs=prompt_pairs(tokens, start)
         )  # at the full budget a step
 
@@ -225,7 +229,8 @@ def make_policy(
     timer: StepTimer,
     block_size: int,
     tokens_left: Callable[[Request], int] | None = None,
+    prompt_timer: Callable[[], StepTimer] | None = None,
 ) -> SchedulePolicy:
     if config.policy == "slo":
-        return SloPolicy(config, timer, block_size, tokens_left)
+        return SloPolicy(config, timer, block_size, tokens_left, prompt_timer)
     return FcfsPolicy()

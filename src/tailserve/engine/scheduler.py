@@ -77,7 +77,9 @@ class Scheduler:
         self.kv = kv
         self.timer = timer or StepTimer(budget_tokens=config.max_num_batched_tokens)
         self._output_tokens = Ewma()  # output lengths of finished requests: when running ones end
-        self.policy: SchedulePolicy = make_policy(config, self.timer, kv.block_size, self._steps_left)
+        self.policy: SchedulePolicy = make_policy(
+            config, self.timer, kv.block_size, self._steps_left, self._prompt_timer
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -96,6 +98,9 @@ class Scheduler:
         # Prompt tokens the first prompt of a step with no decode may take (the engine raises it to
         # --prefill-step-tokens where its kernels allow); the step budget otherwise.
         self.idle_budget = config.max_num_batched_tokens
+        # Whether prompt chunks go on the lane now (it exists and a stream decodes), as of the last
+        # plan: what the prefill order prices a prompt with (`_prompt_timer`).
+        self._prompts_on_lane = False
 
     def add(self, request: Request) -> None:
         # A request scoring its prompt computes it all (see _admit): it expects no hit.
@@ -117,6 +122,7 @@ class Scheduler:
         `prefill=False`: decodes only (the prefill lane is busy). `lane`: the prompt chunks will run
         beside the decodes, not in their step, so the decodes' TPOT does not cap them."""
         plan = StepPlan()
+        self._prompts_on_lane = self.lane and any(r.is_decoding for r in self.running)
         scheduled: set[str] = set(self.in_flight)
         budget = self.config.max_num_batched_tokens
         for req in [r for r in self.running if r.is_decoding]:
@@ -405,6 +411,15 @@ class Scheduler:
         if typical is None or (params.ignore_eos and not params.stop and not params.stop_token_ids):
             return params.max_tokens
         return min(params.max_tokens, max(math.ceil(typical), 1))
+
+    def _prompt_timer(self) -> StepTimer:
+        """What the prefill order prices a prompt's own prefill with (its slack, so whether it is
+        urgent or past saving): the lane's chunks, on half the threads, while prompts go there and
+        once it has timed one; else the steps'. The wait model prices the work ahead of a newcomer by
+        the same choice (`WaitModel._chunk_timer`)."""
+        if self._prompts_on_lane and self.lane_timer.coefficients()[1] > 0:
+            return self.lane_timer
+        return self.timer
 
     def _idle_step_longer(self, num_decodes: int) -> bool:
         """Whether a step may give the first prompt in line more than the step budget (the rule
