@@ -156,6 +156,10 @@ class SchedulerConfig:
     # this many prompt tokens instead of max_num_batched_tokens (the larger of the two counts; 0: the
     # step budget). Off where prompt rows run oneDNN (kernels per row count, created before serving).
     prefill_step_tokens: int = 2048
+    # The tightest TTFT target a request may be served by (the server's tightest SLO class; None:
+    # slo_ttft_s). A longer step with no decode is predicted to take at most half of it, so a
+    # request of that class that arrives as one starts keeps half its target for its own prompt.
+    tightest_ttft_s: float | None = None
     # Where admitting a request at once would push a running stream over its TPOT target, hold its
     # prompt in the queue until a stream is expected to end, if its first token still comes within
     # its TTFT target, instead of refusing it (engine/tpot_model.py; False: refuse, 429 slo_tpot).
@@ -180,6 +184,7 @@ class SchedulerConfig:
         _require(self.max_waiting >= 1, "--max-waiting must be at least 1")
         _require(self.prefill_step_tokens >= 0, "--prefill-step-tokens must be at least 0")
         _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be positive")
+        _require(self.tightest_ttft_s is None or self.tightest_ttft_s > 0, "SLO targets must be positive")
         _require(
             0.0 <= self.prefill_floor <= 1.0, f"--prefill-floor must be in [0, 1], got {self.prefill_floor}"
         )

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tailserve.engine import LLMEngine, SamplingParams
+from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import FcfsPolicy, PrefillItem, SloPolicy, order_prefills
 from tailserve.engine.request import Request, RequestTimings
+from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import StepTimer, prompt_pairs
 from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, tokens_ahead
 from tailserve.weights.loader import LoadedModel
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@dataclass
+class _Plan:
+    num_tokens: int
+    num_prefill_tokens: int
 
 
 @dataclass
@@ -268,3 +278,27 @@ def test_step_timer_prices_the_context_a_prompt_attends_to() -> None:
     assert abs(predicted - truth) / truth < 0.03
     flat = single.estimate_s(tokens, running, 256, prompt_pairs(tokens, 0))
     assert abs(flat - truth) / truth > 0.15
+
+
+def test_a_step_with_no_decode_leaves_the_tightest_class_half_its_target() -> None:
+    """With nothing decoding, the first prompt in line may take up to the idle budget in one step,
+    but not a step predicted past half the tightest TTFT target served: a request of that class
+    that arrives as the step starts waits it out and keeps the other half for its own prompt. The
+    wait model is told the same step. (Steps here: 4 ms fixed, 0.25 ms a prompt token.)"""
+
+    def first_step(tightest_ttft_s: float | None) -> tuple[int, int, float]:
+        config = SchedulerConfig(max_num_batched_tokens=256, slo_ttft_s=2.0, tightest_ttft_s=tightest_ttft_s)
+        timer = StepTimer(budget_tokens=256)
+        timer.record(_Plan(1, 0), 0.004)
+        timer.record(_Plan(256, 256), 0.004 + 256 * 0.00025)
+        scheduler = Scheduler(config, KVCacheManager(1000, 16, enable_prefix_caching=False), timer)
+        scheduler.idle_budget = 2048
+        scheduler.add(Request("long", list(range(1, 2049)), GREEDY, RequestTimings(arrival=0.0), seq_no=0))
+        tokens = scheduler.step_plan(0.0).num_prefill_tokens
+        told = scheduler.queue_snapshot(0.0).idle_step_tokens
+        return tokens, told, timer.estimate_s(tokens, 0, tokens, prompt_pairs(tokens, 0))
+
+    assert first_step(None) == (2048, 2048, pytest.approx(0.516))  # half of 2 s: the whole prompt
+    tokens, told, step_s = first_step(0.3)  # a class due in 0.3 s: at most 0.15 s a step
+    assert 256 < tokens < 2048 and told == tokens
+    assert 0.14 <= step_s <= 0.15

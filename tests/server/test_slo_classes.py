@@ -284,6 +284,7 @@ def test_serve_flags_reach_the_configs(tmp_path: Path) -> None:
     assert server.slo_classes.classes["interactive"].ttft_s == 3.0  # built-in: --slo-ttft
     assert server.slo_classes.classes["batch"].ttft_s == 20.0  # the file's
     assert server.slo_classes.api_keys["sk-batch"] == "batch"
+    assert engine.scheduler.tightest_ttft_s == 3.0  # what bounds a longer step with no decode
     assert not server.trust_request_slo  # off unless asked; the old name still turns it on
     for flag in ("--trust-request-slo", "--trust-slo-headers"):
         assert configs_from_args(build_parser().parse_args([*flags, flag]))[1].trust_request_slo

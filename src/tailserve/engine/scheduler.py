@@ -153,7 +153,7 @@ class Scheduler:
             # No stream to protect: the first prompt in order may go in one longer step, up to
             # idle_budget. Only the first: a queue of prompts still goes a budget at a time, so a
             # request that arrives meanwhile (an urgent one) waits for one prompt, not for the queue.
-            left = max(left, min(self.idle_budget, first.num_uncomputed_tokens))
+            left = max(left, min(self._idle_step_tokens(), first.num_uncomputed_tokens))
         # Requests past saving keep a reserve of the step; savable ones take the rest first, and
         # whatever they leave goes to the late ones too (nothing idles while work waits).
         # A late request still waiting for a sequence slot has the next free one: savable newcomers
@@ -382,7 +382,7 @@ class Scheduler:
             running_prefills=running_prefills,
             slots_free_steps=tuple(sorted(self._steps_left(r) for r in self.running)),
             max_num_seqs=self.config.max_num_seqs,
-            idle_step_tokens=self.idle_budget if self._idle_step_longer(len(decoding)) else 0,
+            idle_step_tokens=self._idle_step_tokens() if self._idle_step_longer(len(decoding)) else 0,
             lane=self.lane,
             streams=tuple(self._stream(r) for r in decoding),
             pending_streams=tuple(self._stream(r) for r in prefilling),
@@ -411,6 +411,25 @@ class Scheduler:
         if typical is None or (params.ignore_eos and not params.stop and not params.stop_token_ids):
             return params.max_tokens
         return min(params.max_tokens, max(math.ceil(typical), 1))
+
+    def _idle_step_tokens(self) -> int:
+        """Prompt tokens the first prompt in line may take in a step with no decode: the idle budget,
+        or fewer where a step that long is predicted to take more than half the tightest TTFT target
+        served (a request of that class arriving as the step starts waits it out, then prefills);
+        never fewer than the step budget. Without timed steps, the idle budget."""
+        budget, limit = self.config.max_num_batched_tokens, self.idle_budget
+        bound_s = 0.5 * (self.config.tightest_ttft_s or self.config.slo_ttft_s)
+
+        def step_s(tokens: int) -> float:
+            return self.timer.estimate_s(tokens, 0, tokens, prompt_pairs(tokens, 0))
+
+        if limit <= budget or step_s(limit) <= bound_s:
+            return limit
+        low, high = budget, limit  # step_s(high) > bound_s; the budget is the floor either way
+        while high - low > self.kv.block_size:
+            mid = (low + high) // 2
+            low, high = (mid, high) if step_s(mid) <= bound_s else (low, mid)
+        return low
 
     def _prompt_timer(self) -> StepTimer:
         """What the prefill order prices a prompt's own prefill with (its slack, so whether it is

@@ -51,6 +51,11 @@ class SloClasses:
             if name not in self.classes:
                 raise ConfigError(f"--slo-classes: {where} names unknown class {name!r} ({self._known()})")
 
+    @property
+    def tightest_ttft_s(self) -> float:
+        """The tightest TTFT target of any class (SchedulerConfig.tightest_ttft_s)."""
+        return min(float(t.ttft_s or math.inf) for t in self.classes.values())
+
     def _known(self) -> str:
         return "known: " + ", ".join(sorted(self.classes))
 
