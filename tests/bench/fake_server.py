@@ -116,7 +116,8 @@ class FakeServer:
         status = int(b.get("status", 200))
         if status != 200:
             extra = {"retry-after": str(b["retry_after"])} if "retry_after" in b else {}
-            return await _send_json(writer, status, {"error": {"message": f"scripted HTTP {status}"}}, extra)
+            message = b.get("message", f"scripted HTTP {status}")
+            return await _send_json(writer, status, {"error": {"message": message}}, extra)
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
             b"cache-control: no-cache\r\n\r\n"

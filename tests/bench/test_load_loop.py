@@ -99,13 +99,16 @@ def test_server_that_ignores_max_tokens_is_flagged(fake_server: FakeServerProces
 
 
 def test_closed_loop_honours_retry_after(fake_server: FakeServerProcess) -> None:
-    fake_server.script([{"status": 429, "retry_after": 0.3}])
+    # A refusal's own message says why (tailserve's: which target, the TPOT it predicted): kept whole.
+    why = "Server overloaded: admitting this request would put 1 running request over " + "x" * 150
+    fake_server.script([{"status": 429, "retry_after": 0.3, "message": why}])
     result, records = run_bench(
         ["--base-url", fake_server.url, "--arrival", "closed", "--concurrency", "1", "-n", "3", "--warmup", "0",
          "--no-progress"]
     )  # fmt: skip
     assert result["errors"]["by_kind"] == {"rate_limited": 3}
     assert all(r.retry_after_s == 0.3 and r.http_status == 429 for r in records)
+    assert all(r.error_message == f"HTTP 429: {why}" for r in records)
     sent = sorted(r.sent_s for r in records)
     assert all(b - a >= 0.3 for a, b in zip(sent, sent[1:], strict=False))
 

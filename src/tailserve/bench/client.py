@@ -22,6 +22,7 @@ from tailserve.bench.workload import TurnPlan
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _ERROR_BODY_LIMIT = 2000
+MESSAGE_CHARS = 400  # of a server's own error message kept in a record (a bare body: sse.snippet's)
 
 
 @dataclass(frozen=True)
@@ -287,15 +288,16 @@ def _fail(record: RequestRecord, kind: str, message: str) -> None:
 
 
 def _error_text(raw: str) -> str:
-    """The `error.message` of an OpenAI-style error body, else the body itself (shortened)."""
+    """The `error.message` of an OpenAI-style error body (up to MESSAGE_CHARS: a refusal's message
+    says why, e.g. the TPOT a 429 predicted), else the body itself (shortened)."""
     try:
         obj = json.loads(raw)
         err = obj.get("error", obj) if isinstance(obj, dict) else obj
         message = err.get("message") if isinstance(err, dict) else None
         if isinstance(message, str):
-            return snippet(message)
+            return snippet(message, MESSAGE_CHARS)
         if isinstance(obj, dict) and isinstance(obj.get("detail"), str):
-            return snippet(obj["detail"])
+            return snippet(obj["detail"], MESSAGE_CHARS)
     except json.JSONDecodeError:
         pass
     return snippet(raw.strip()) or "(empty body)"

@@ -20,10 +20,10 @@ class MalformedSSEError(Exception):
     """The stream is not valid SSE (or its payloads are not the JSON an OpenAI server sends)."""
 
 
-def snippet(text: str) -> str:
-    """A short, single-line excerpt for error messages."""
+def snippet(text: str, limit: int = _SNIPPET) -> str:
+    """A short, single-line excerpt for error messages: at most `limit` characters and "..."."""
     flat = text.replace("\n", "\\n")
-    return flat if len(flat) <= _SNIPPET else flat[:_SNIPPET] + "..."
+    return flat if len(flat) <= limit else flat[:limit] + "..."
 
 
 class SSEParser:
