@@ -542,6 +542,30 @@ def test_a_prompt_chunked_or_batched_gives_the_same_logits_on_amx(
     assert torch.equal(beside[len(other) :], whole)
 
 
+def test_a_prompt_only_step_gives_the_bits_of_the_layer_by_layer_path(
+    lib: ctypes.CDLL, isa: str, smol: LoadedModel
+) -> None:
+    """Steps of prompt rows only run every layer from one loop of raw kernel calls; they give the
+    logits of the module-by-module path bit for bit: a prompt from scratch, a chunk over its cached
+    prefix, and two prompts in one step (one under PROMPT_KERNEL_MIN_ROWS rows: the decode kernel)."""
+    if isa != "amx":
+        pytest.skip(f"the {isa} build runs no int4 prompt rows (its prompt linears are bf16)")
+    lean, modules = _runner(smol, True), _runner(smol, True)
+    assert modules.model.fused is not None
+    modules.model.fused._plans = [None]  # a layer the loop cannot take: every step by the modules
+    text = "The river Tiber runs through the city of Rome, and its bridges carry people, carts and stories "
+    prompt = smol.tokenizer.encode(text * 3)[:40]
+    greedy = SamplingSpec(temperature=0.0)
+    steps = [
+        [SeqChunk(prompt[:23], 0, [0, 1], False, greedy)],
+        [SeqChunk(prompt[23:], 23, [0, 1, 2], False, greedy)],
+        [SeqChunk(prompt[:5], 0, [3], False, greedy), SeqChunk(prompt, 0, [4, 5, 6], False, greedy)],
+    ]
+    for chunks in steps:
+        assert torch.equal(lean.logits_for(chunks), modules.logits_for(chunks))
+    assert lean.model.fused is not None and lean.model.fused._prompt_plans() is not None
+
+
 @pytest.fixture
 def threads() -> Iterator[Callable[[int], int]]:
     """Sets torch's and the kernels' thread count together (as `--num-threads` does); restored after."""
