@@ -9,7 +9,8 @@ into the cache, the chunk's rows attend over it causally (a row at position p se
 on AMX tiles flash-attention style (ts_paged_prompt_attention) where the CPU has them and the chunk
 has PROMPT_KERNEL_MIN_ROWS rows, else as one decode query each with that length (exact softmax
 either way). Same weights and formats as the torch path; every kernel is row-wise, so a row's result
-does not depend on its batch, nor on its chunk while chunks keep to one attention kernel.
+does not depend on its batch, nor on its chunk while chunks keep to one attention kernel. A step of
+prompt rows only (no decodes) calls the same kernels from one loop with raw pointers, bit for bit.
 """
 
 from __future__ import annotations
@@ -169,10 +170,11 @@ class FusedCpuForward:
     ) -> None:
         """Every layer of a step of prompt rows only, the kernels called straight from one loop on
         buffers made once a step: the calls, arguments and so the bits of the module path, with
-        little Python between them. Each piece of Python between two kernels runs on caches the
-        kernel before it has filled (the matmuls stream their weights through L2), so it costs far
-        more than the same code run in a loop: ~20-50 us a gap, ~6 ms of a 512-token step on 2
-        threads of a Sapphire Rapids, against ~0.6 ms for the same code with the kernels stubbed."""
+        little Python between them. Through the modules, the time from one kernel's threads ending
+        to the next's starting was 14-50 us (~6.5 ms of a 512-token step on 2 threads of a Sapphire
+        Rapids, one core idle all along), though the same Python with the kernels stubbed out takes
+        ~0.6 ms a step: run right after a kernel that streamed its weights through the caches, it
+        runs cold. Here 4-7 us (~1.3 ms a step); the step 81.5 -> 73.3 ms (see docs/ENGINE.md)."""
         lib = self.lib
         t, dim, eps = x.shape[0], self.hidden, self.eps
         heads, kv_heads, hd, width = self.heads, self.kv_heads, self.head_dim, self.qkv_width
