@@ -142,6 +142,7 @@ def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerP
         "e2e_s": 0.07,
         "preemptions": 0,
         "admission_estimate_s": 0.1,
+        "admission_tpot_estimate_s": 0.02,
     }
     slow = {
         "queue_s": 0.5,
@@ -151,8 +152,9 @@ def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerP
         "e2e_s": 0.56,
         "preemptions": 1,
         "admission_estimate_s": 0.27,
+        "admission_tpot_estimate_s": 0.005,
     }
-    unpriced = fast | {"admission_estimate_s": 0.0}  # nothing was ahead: admission priced nothing
+    unpriced = fast | {"admission_estimate_s": 0.0, "admission_tpot_estimate_s": 0.0}  # nothing priced
     fake_server.script(
         [{"ttft_s": 0.05, "itl_s": 0.01, "tokens": 3, "timings": fast}] * 8
         + [{"ttft_s": 0.05, "itl_s": 0.01, "tokens": 3, "timings": unpriced}]
@@ -168,6 +170,10 @@ def test_server_timings_feed_queue_time_and_attribution(fake_server: FakeServerP
     assert result["metrics"]["admission_ratio"]["count"] == 18
     assert metric(result, "admission_ratio", "p50") == pytest.approx(0.5)
     assert metric(result, "admission_ratio", "max") == pytest.approx(2.0)
+    # And against its TPOT price: 0.02 s over 3 tokens' 2 gaps, against 0.02 and 0.005.
+    assert result["metrics"]["admission_tpot_ratio"]["count"] == 18
+    assert metric(result, "admission_tpot_ratio", "p50") == pytest.approx(0.5)
+    assert metric(result, "admission_tpot_ratio", "max") == pytest.approx(2.0)
     att = result["attribution"]
     assert att["slowest_count"] == 1
     assert att["queue_s"] == pytest.approx(0.5) and att["preempted_fraction"] == 1.0

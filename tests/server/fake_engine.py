@@ -19,6 +19,7 @@ from tailserve.config import EngineConfig, SchedulerConfig
 from tailserve.engine.quote import Admitted, WaitQuote
 from tailserve.engine.request import RequestOutput, RequestTimings, SamplingParams, SloTarget, ttft_target_s
 from tailserve.engine.stats import EngineStats
+from tailserve.engine.tpot_model import TpotPrice
 from tailserve.errors import ContextLengthExceededError, InvalidRequestError
 
 T = TypeVar("T")
@@ -70,6 +71,7 @@ class FakeEngine:
         self.kv_blocks_total = kv_blocks_total
         self.reply = reply
         self.wait_estimate_s = wait_estimate_s
+        self.tpot_price: TpotPrice | None = None  # the TPOT price every newcomer gets (None: unpriced)
         self._max_running = max_running
         self._slots: asyncio.Semaphore | None = None
         self._aborted: set[str] = set()
@@ -148,7 +150,7 @@ class FakeEngine:
         if self.explode_on is not None and self.explode_on in self.tokenizer.decode(prompt_token_ids):
             raise RuntimeError("scripted bug")  # an unexpected error inside the engine call
         ttft_s = ttft_target_s(slo, self.config.scheduler.slo_ttft_s)
-        ticket = admit(WaitQuote(len(prompt_token_ids), ttft_s, self.estimate_wait_s()))
+        ticket = admit(WaitQuote(len(prompt_token_ids), ttft_s, self.estimate_wait_s(), tpot=self.tpot_price))
         return Admitted(ticket, self.generate(request_id, prompt_token_ids, params))
 
     def _reply_bytes(self, params: SamplingParams) -> bytes:

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tailserve.config import SchedulerConfig
+from tailserve.engine.tpot_model import TpotPrice
 from tailserve.server.config import ServerConfig
 from tests.server.fake_engine import FakeEngine
 from tests.server.harness import threaded_server, wait_ready
@@ -125,6 +126,27 @@ def test_predicted_slo_miss_is_429_with_retry_after() -> None:
         assert metric(base, "tailserve_requests_rejected_total", {"reason": "slo"}) == 1
         engine.wait_estimate_s = 0.1
         assert httpx.post(f"{base}/v1/completions", json=GOOD).status_code == 200
+
+
+def test_each_response_reports_the_tpot_admission_priced_for_it() -> None:
+    """`admission_tpot_estimate_s`: the request's own TPOT by the price admission decided on (0
+    where nothing priced it), for both the streamed and the non-streamed response; a refusal by
+    that price says what it predicted."""
+    engine = FakeEngine(scheduler=SchedulerConfig(slo_tpot_s=0.03))
+    with threaded_server(engine) as base:
+        r = httpx.post(f"{base}/v1/completions", json=GOOD)
+        assert r.json()["tailserve_timings"]["admission_tpot_estimate_s"] == 0.0
+        engine.tpot_price = TpotPrice(0.021, 0.012, 0.03, (), first_end_s=1.0)
+        r = httpx.post(f"{base}/v1/completions", json=GOOD)
+        assert r.json()["tailserve_timings"]["admission_tpot_estimate_s"] == pytest.approx(0.021)
+        body = {**GOOD, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = [json.loads(line[6:]) for line in httpx.post(f"{base}/v1/completions", json=body).text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        assert chunks[-1]["tailserve_timings"]["admission_tpot_estimate_s"] == pytest.approx(0.021)
+        engine.tpot_price = TpotPrice(0.034, 0.012, 0.03, (), first_end_s=1.0)  # its own would miss
+        r = httpx.post(f"{base}/v1/completions", json=GOOD)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "slo_tpot"
+        assert "predicted TPOT 34.0 ms over its target of 30.0 ms" in r.json()["error"]["message"]
 
 
 def test_queue_bound_rejects_bursts_and_admitted_requests_complete() -> None:

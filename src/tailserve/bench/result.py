@@ -58,6 +58,21 @@ def admission_ratios(ok: list[RequestRecord]) -> list[float]:
     return out
 
 
+def admission_tpot_ratios(ok: list[RequestRecord]) -> list[float]:
+    """Server TPOT (its decode time over its output's gaps) over the TPOT that the server's admission
+    priced on arrival (tailserve's `admission_tpot_estimate_s`), for the requests it priced with two
+    or more output tokens. Below 1: the price was pessimistic (near a target, it refuses requests
+    whose streams would have kept it); above 1: optimistic."""
+    out = []
+    for r in ok:
+        t = r.server_timings or {}
+        estimate, decode_s = t.get("admission_tpot_estimate_s", 0.0), t.get("decode_s", 0.0)
+        gaps = int(t.get("output_tokens", r.output_tokens)) - 1
+        if estimate > 0 and decode_s > 0 and gaps > 0:
+            out.append(decode_s / gaps / estimate)
+    return out
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     """Everything that defined a run, recorded in the result so it can be reproduced."""
@@ -141,6 +156,7 @@ def build_result(
         "queue_delay_s": summarize(queue_delay, level),
         "queue_s": summarize(queue, level),
         "admission_ratio": summarize(admission_ratios(ok), level),
+        "admission_tpot_ratio": summarize(admission_tpot_ratios(ok), level),
         "client_queue_s": summarize((r.client_queue_s for r in measured if r.scheduled_s is not None), level),
         "input_tokens": summarize((float(r.input_tokens) for r in ok), level),
         "output_tokens": summarize((float(r.output_tokens) for r in ok), level),

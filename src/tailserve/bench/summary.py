@@ -20,6 +20,7 @@ METRIC_ROWS = (
     ("queue_delay_s", "queue delay", 1.0, "s"),
     ("queue_s", "server queue", 1.0, "s"),
     ("admission_ratio", "TTFT/admission est", 1.0, "x"),
+    ("admission_tpot_ratio", "TPOT/admission est", 1.0, "x"),
     ("client_queue_s", "client queue", 1000.0, "ms"),
     ("input_tokens", "input tokens", 1.0, ""),
     ("output_tokens", "output tokens", 1.0, ""),

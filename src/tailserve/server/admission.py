@@ -93,10 +93,14 @@ class Ticket:
         predicted_s: float = 0.0,
         teaches: bool = False,
         held_s: float = 0.0,
+        tpot_estimate_s: float = 0.0,
     ) -> None:
         self._admission = admission
         self.estimate_s = estimate_s
         self.held_s = held_s  # queued with a hold this long (its TPOT price found none at once)
+        # Its own TPOT as the price played the future on arrival, everything admitted so far and it
+        # included (TpotPrice.own_s; 0: not priced): responses report it beside the TTFT estimate.
+        self.tpot_estimate_s = tpot_estimate_s
         self._predicted_s = predicted_s
         self._teaches = teaches
         self._admitted_at = admission.correction.clock()
@@ -208,8 +212,9 @@ class Admission:
             _check_tpot(tpot, wait_s if held else None, ttft_s)
         self.drain.enter()
         self.not_started += 1
-        held_s = tpot.hold_s if tpot is not None else 0.0
-        return Ticket(self, wait_s, predicted_s, self.correction.teaches(predicted_s, ttft_s), held_s)
+        held_s, tpot_s = (tpot.hold_s, tpot.own_s) if tpot is not None else (0.0, 0.0)
+        teaches = self.correction.teaches(predicted_s, ttft_s)
+        return Ticket(self, wait_s, predicted_s, teaches, held_s, tpot_s)
 
     def release(self) -> None:
         """Called by Ticket.done()."""

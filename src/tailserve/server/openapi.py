@@ -62,6 +62,7 @@ class Timings(_Out):
     prompt_tokens: int
     output_tokens: int
     admission_estimate_s: float
+    admission_tpot_estimate_s: float = 0.0
     slo_class: str | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None

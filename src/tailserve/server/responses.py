@@ -30,6 +30,7 @@ class Job:
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
     best_of: tuple[int, int] | None = None  # (n, best_of) when best_of > n: candidates to rank
     admission_estimate_s: float = 0.0  # the TTFT admission predicted for the (first) choice on arrival
+    admission_tpot_estimate_s: float = 0.0  # its TPOT as admission priced it on arrival (0: not priced)
     slo: SloTarget | None = None  # the targets it was admitted and scheduled by (None: the engine's)
 
 
@@ -115,6 +116,7 @@ def timings(job: Job, out: RequestOutput) -> dict[str, float | int | str | None]
     slo = job.slo
     estimate: dict[str, float | int | str | None] = {
         "admission_estimate_s": job.admission_estimate_s,
+        "admission_tpot_estimate_s": job.admission_tpot_estimate_s,
         "slo_class": slo.slo_class if slo is not None else None,
         "slo_ttft_s": slo.ttft_s if slo is not None else None,
         "slo_tpot_s": slo.tpot_s if slo is not None else None,

@@ -214,7 +214,10 @@ class Serving:
                 if admitted.ticket.held_s > 0:
                     self._metrics.held.inc()
                 runs.append(run)
-            job = prepared.job(admission_estimate_s=runs[0].ticket.estimate_s)
+            first = runs[0].ticket
+            job = prepared.job(
+                admission_estimate_s=first.estimate_s, admission_tpot_estimate_s=first.tpot_estimate_s
+            )
             firsts = await until_disconnect(_all([anext(r.gen) for r in runs]), receive, closing)
             if firsts is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
