@@ -1321,6 +1321,7 @@ void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_ca
 #define PA_KEYS 32
 #define PA_LAZY_LOG2 8.0f
 #define PA_SCORES_AT 6 /* the key pair of a block's weights after which the next block's scores go in */
+#define PA_RECHECK_SUM 128.0f /* a block's weights sum past this (as a weight past 2^8 makes them): check its maximum */
 
 typedef struct {
     const bf16 *q, *k_cache, *v_cache;
@@ -1388,6 +1389,7 @@ static inline void prompt_scores(const prompt_job *j, int64_t g, int64_t k0, int
 /* O^T (tiles 4-7) += V^T P^T for key block kb: P^T in tile 3, V^T through tiles 0-2. */
 static inline void prompt_values(const prompt_job *j, int64_t g, int64_t kb, const bf16 *pt, int64_t dtiles) {
     const bf16 *vt = j->vt + (g * j->key_blocks + kb) * dtiles * 512;
+    __asm__ volatile("" ::: "memory"); /* TILELOADD is an asm without a memory clobber: P^T's stores first */
     _tile_loadd(3, pt, 64);
     _tile_loadd(0, vt, 64);
     _tile_dpbf16ps(4, 0, 3);
@@ -1427,10 +1429,11 @@ static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16
 }
 
 /* P^T (bf16, the pair layout of tile B) of key pairs kp0 .. kp1 - 1 of the block at k0 from its
- * scores s, against each row's running maximum top (base 2); returns `sum` plus their weights. */
+ * scores s, against each row's running maximum top (base 2); returns the block's weights so far
+ * (`part`, that of pairs 0 .. kp0 - 1), summed pair by pair in key order. */
 static inline __attribute__((always_inline)) __m512 prompt_probs(const float *s, bf16 *pt, int64_t kp0, int64_t kp1,
                                                                  int64_t k0, int diagonal, __m512i posv, __m512 sc,
-                                                                 __m512 top, __m512 sum) {
+                                                                 __m512 top, __m512 part) {
     const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t kp = kp0; kp < kp1; kp++) {
@@ -1441,11 +1444,27 @@ static inline __attribute__((always_inline)) __m512 prompt_probs(const float *s,
             p0 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT), p0);
             p1 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k + 1)), _MM_CMPINT_NLT), p1);
         }
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        const __m512 pair = _mm512_add_ps(p0, p1);
+        part = kp == 0 ? pair : _mm512_add_ps(part, pair);
+        __asm__("" : "+v"(part)); /* this order whatever the code around: -ffast-math may re-associate */
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0's 16 rows low, p1's high */
         _mm512_store_si512(pt + 32 * kp, _mm512_permutexvar_epi16(pair_order, both));
     }
-    return sum;
+    return part;
+}
+
+/* Each row's maximum over the scores s of the block at k0 that it sees, scaled to base 2 once (rounding
+ * keeps the order; masked keys left out on the diagonal). */
+static inline __attribute__((always_inline)) __m512 prompt_block_top(const float *s, int64_t k0, int diagonal,
+                                                                     __m512i posv, __m512 sc) {
+    __m512 block_top = _mm512_set1_ps(-1e30f);
+    for (int64_t k = 0; k < PA_KEYS; k++) {
+        const __m512 x = _mm512_load_ps(s + 16 * k);
+        const __mmask16 sees =
+            diagonal ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT) : 0xffff;
+        block_top = _mm512_mask_max_ps(block_top, sees, block_top, x);
+    }
+    return _mm512_mul_ps(block_top, sc);
 }
 
 /* 16 stacked rows (row tile t) of kv head g over every key block they see; the tiles configured. */
@@ -1489,49 +1508,48 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
     const int64_t blocks = max_pos / PA_KEYS + 1;
     /* Pipelined: block kb - 1's values and block kb + 1's scores run on the tiles while block kb's
      * softmax runs on AVX-512. Each goes in where the out-of-order core still overlaps it with the
-     * vector work around it (issued together at the top of a block, 12-15% slower): the values after
-     * the maximum (before it where O must be rescaled), the scores a few key pairs into the weights. */
+     * vector work around it (issued together at the top of a block, 12-15% slower): the values first,
+     * the scores a few key pairs into the weights. A block's weights are taken against the running
+     * maximum before its own maximum is known: a block that moves the maximum has a weight above
+     * 2^8, so its weights sum past PA_RECHECK_SUM; only such a block (rare after the first) pays the
+     * maximum pass, the rescale and its weights again: the same maximum, test and weights as a maximum
+     * pass before the weights gives (the 05:05 kernel's, a pass of 32 loads and maxima a block). A
+     * row's sum takes each block's weights summed in key order, that order pinned against -ffast-math
+     * (GCC re-associated the old sum differently in different copies of the loop). */
     prompt_scores(j, g, 0, max_pos, qt, chunks);
     _tile_stored(0, s, 64);
     _tile_stored(1, s + 256, 64);
     for (int64_t kb = 0; kb < blocks; kb++) {
         const int64_t k0 = kb * PA_KEYS;
-        int values_due = kb > 0;
         const int diagonal = k0 + PA_KEYS - 1 > min_pos; /* keys past some row's position: masked for it */
-        __m512 block_top = masked;
-        for (int64_t k = 0; k < PA_KEYS; k++) {
-            const __m512 x = _mm512_load_ps(s + 16 * k);
-            const __mmask16 sees =
-                diagonal ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT) : 0xffff;
-            block_top = _mm512_mask_max_ps(block_top, sees, block_top, x);
-        }
-        block_top = _mm512_mul_ps(block_top, sc); /* scaled once: rounding keeps the order */
-        if (kb == 0) {
-            top = block_top;
-        } else {
+        if (kb == 0) top = prompt_block_top(s, k0, diagonal, posv, sc);
+        else prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles);
+        __m512 part = prompt_probs(s, pt[kb & 1], 0, PA_SCORES_AT, k0, diagonal, posv, sc, top, _mm512_setzero_ps());
+        if (kb + 1 < blocks) prompt_scores(j, g, k0 + PA_KEYS, max_pos, qt, chunks);
+        part = prompt_probs(s, pt[kb & 1], PA_SCORES_AT, PA_KEYS / 2, k0, diagonal, posv, sc, top, part);
+        if (kb > 0 && _mm512_cmp_ps_mask(part, _mm512_set1_ps(PA_RECHECK_SUM), _CMP_NLE_UQ)) {
+            const __m512 block_top = prompt_block_top(s, k0, diagonal, posv, sc);
             const __mmask16 moves = _mm512_cmp_ps_mask(block_top, _mm512_add_ps(top, lazy), _CMP_GT_OQ);
-            if (moves) { /* rare: rescale O and the sum of the rows whose maximum moved (others by 1) */
-                prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles); /* weighed against the old maximum */
-                values_due = 0;
+            if (moves) { /* rescale O and the sum of the rows whose maximum moved (others by 1) */
                 const __m512 fresh = _mm512_mask_mov_ps(top, moves, block_top);
                 const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moves, exp2_512(_mm512_sub_ps(top, fresh)));
-                sum = _mm512_mul_ps(sum, alpha);
                 _tile_stored(4, o, 64);
                 _tile_stored(5, o + 256, 64);
                 _tile_stored(6, o + 512, 64);
                 _tile_stored(7, o + 768, 64);
                 for (int64_t d = 0; d < dim; d++) _mm512_store_ps(o + 16 * d, _mm512_mul_ps(_mm512_load_ps(o + 16 * d), alpha));
+                __asm__ volatile("" ::: "memory"); /* the rescaled O^T stored before the tiles read it */
                 _tile_loadd(4, o, 64);
                 _tile_loadd(5, o + 256, 64);
                 _tile_loadd(6, o + 512, 64);
                 _tile_loadd(7, o + 768, 64);
                 top = fresh;
+                sum = _mm512_mul_ps(sum, alpha);
+                __asm__("" : "+v"(sum)); /* a product, not an FMA with the block's weights */
+                part = prompt_probs(s, pt[kb & 1], 0, PA_KEYS / 2, k0, diagonal, posv, sc, top, _mm512_setzero_ps());
             }
         }
-        if (values_due) prompt_values(j, g, kb - 1, pt[(kb - 1) & 1], dtiles);
-        sum = prompt_probs(s, pt[kb & 1], 0, PA_SCORES_AT, k0, diagonal, posv, sc, top, sum);
-        if (kb + 1 < blocks) prompt_scores(j, g, k0 + PA_KEYS, max_pos, qt, chunks);
-        sum = prompt_probs(s, pt[kb & 1], PA_SCORES_AT, PA_KEYS / 2, k0, diagonal, posv, sc, top, sum);
+        sum = _mm512_add_ps(sum, part);
         if (kb + 1 < blocks) { /* the next block's scores, done by now */
             _tile_stored(0, s, 64);
             _tile_stored(1, s + 256, 64);
