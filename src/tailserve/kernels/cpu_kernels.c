@@ -1461,9 +1461,10 @@ static inline __attribute__((always_inline)) __m512 prompt_probs(const float *s,
             p0 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT), p0);
             p1 = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k + 1)), _MM_CMPINT_NLT), p1);
         }
-        const __m512 pair = _mm512_add_ps(p0, p1);
+        __m512 pair = _mm512_add_ps(p0, p1);
+        __asm__("" : "+v"(pair)); /* this order whatever the code around: -ffast-math re-associates */
         part = kp == 0 ? pair : _mm512_add_ps(part, pair);
-        __asm__("" : "+v"(part)); /* this order whatever the code around: -ffast-math may re-associate */
+        __asm__("" : "+v"(part));
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0's 16 rows low, p1's high */
         _mm512_store_si512(pt + 32 * kp, _mm512_permutexvar_epi16(pair_order, both));
     }
