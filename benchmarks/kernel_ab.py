@@ -3,16 +3,21 @@ commit's, in one process: both sources built with the server's flags, then the f
 the default model's 30 layers (QKV 576->960, O 576->576, gate-up 576->3072, down 1536->576; random
 codes, so every layer's weights are cold as in a step) timed at each row count, the two builds
 alternating, the best of --repeats each. `--silu` runs gate-up as it serves, through the fused
-SiLU x up kernel (`ts_q4_prefill_silu_matmul`, 1,536 outputs). Needs AMX. Never beside another
-measurement.
+SiLU x up kernel (`ts_q4_prefill_silu_matmul`, 1,536 outputs). `--attention` times the prompt
+attention instead (`ts_paged_prompt_attention`, one layer of the default model: 9 heads, 3 kv heads,
+head size 64, 16-slot blocks in shuffled order; the rows at --start onward over a cache filled up
+to them, random q/k/v) and says whether both builds give the same bits. Needs AMX. Never beside
+another measurement.
 
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 2   # ~30 s
+    .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --attention --rows 256 512 1600
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import subprocess
 import tempfile
 import time
@@ -28,6 +33,7 @@ from tailserve.kernels import cpu as cpu_kernels
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (k, n_out) of one layer's matmuls
 LAYERS = 30
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's attention, the server's block size
 
 
 def build(source: Path, out: Path) -> ctypes.CDLL:
@@ -38,7 +44,45 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
         raise SystemExit("needs AMX tile data (Intel Sapphire Rapids or later)")
     lib.ts_q4_prefill_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     lib.ts_q4_prefill_silu_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
+    lib.ts_paged_prompt_attention.argtypes = [_P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, ctypes.c_float]
     return lib
+
+
+def attention_inputs(rows: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qkv rows, k cache, v cache, block table) for `rows` prompt rows at positions start onward."""
+    g = torch.Generator().manual_seed(rows * 7919 + start)
+    ctx = start + rows
+    blocks = (ctx + BLOCK - 1) // BLOCK
+    k_cache = torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks, generator=g).to(torch.int64)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(torch.bfloat16)
+    return qkv, k_cache, v_cache, table
+
+
+def attention_s(lib: ctypes.CDLL, inputs: tuple[torch.Tensor, ...], start: int, out: torch.Tensor) -> float:
+    """Seconds of one layer's prompt attention into out."""
+    qkv, k_cache, v_cache, table = inputs
+    rows = qkv.shape[0]
+    begin = time.perf_counter()
+    ran = lib.ts_paged_prompt_attention(
+        qkv.data_ptr(),
+        qkv.shape[1],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        table.data_ptr(),
+        rows,
+        start,
+        out.data_ptr(),
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        BLOCK,
+        HEAD_DIM**-0.5,
+    )
+    if ran != 1:
+        raise SystemExit("the prompt attention declined (needs AMX)")
+    return time.perf_counter() - begin
 
 
 def layer_weights(seed: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -79,6 +123,48 @@ def forward_s(
     return time.perf_counter() - start
 
 
+def compare_matmuls(
+    libs: dict[str, ctypes.CDLL], base: str, row_counts: Sequence[int], repeats: int, silu: bool
+) -> None:
+    """A table row per row count: the best 30 layers' matmuls of each build."""
+    weights = layer_weights(0)
+    print(f"\n| rows | {base} ms | HEAD (working tree) ms | HEAD / {base} |\n| ---: | ---: | ---: | ---: |")
+    for rows in row_counts:
+        x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (576, 1536)}
+        y = torch.empty(rows, 3072, dtype=torch.bfloat16)
+        best = dict.fromkeys(libs, float("inf"))
+        for r in range(repeats):
+            for name in list(libs) if r % 2 else list(libs)[::-1]:
+                best[name] = min(best[name], forward_s(libs[name], weights, x, y, silu))
+        base_ms, head_ms = 1000 * best[base], 1000 * best["HEAD"]
+        print(f"| {rows} | {base_ms:.2f} | {head_ms:.2f} | {head_ms / base_ms:.3f} |", flush=True)
+
+
+def compare_attention(
+    libs: dict[str, ctypes.CDLL], base: str, row_counts: Sequence[int], start: int, repeats: int
+) -> None:
+    """A table row per row count: one layer's prompt attention, best and median of each build, and
+    whether their outputs are the same bits."""
+    print(
+        f"\n| rows (from {start}) | {base} ms best / median | HEAD ms best / median | HEAD / {base} best / median | same bits |"
+        "\n| ---: | ---: | ---: | ---: | --- |"
+    )
+    for rows in row_counts:
+        inputs = attention_inputs(rows, start)
+        outs = {name: torch.zeros(rows, HEADS * HEAD_DIM, dtype=torch.bfloat16) for name in libs}
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for r in range(repeats):
+            for name in list(libs) if r % 2 else list(libs)[::-1]:
+                times[name].append(1000 * attention_s(libs[name], inputs, start, outs[name]))
+        same = torch.equal(outs[base].view(torch.int16), outs["HEAD"].view(torch.int16))
+        b, h = times[base], times["HEAD"]
+        print(
+            f"| {rows} | {min(b):.3f} / {statistics.median(b):.3f} | {min(h):.3f} / {statistics.median(h):.3f} | "
+            f"{min(h) / min(b):.3f} / {statistics.median(h) / statistics.median(b):.3f} | {'yes' if same else 'no'} |",
+            flush=True,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit whose kernels to compare against")
@@ -86,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1600])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--silu", action="store_true", help="gate-up through the fused SiLU x up kernel")
+    parser.add_argument(
+        "--attention", action="store_true", help="the prompt attention, one layer, not the matmuls"
+    )
+    parser.add_argument("--start", type=int, default=0, help="--attention: the first row's position")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,23 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for lib in libs.values():
             lib.ts_set_threads(args.threads)
-        weights = layer_weights(0)
         stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        print(
-            f"# `benchmarks/kernel_ab.py --base {args.base} --threads {args.threads}{' --silu' if args.silu else ''}` at {stamp} on {machine_line()}, commit {git_commit()}"
+        flags = (" --silu" if args.silu else "") + (
+            f" --attention --start {args.start}" if args.attention else ""
         )
         print(
-            f"\n| rows | {args.base} ms | HEAD (working tree) ms | HEAD / {args.base} |\n| ---: | ---: | ---: | ---: |"
+            f"# `benchmarks/kernel_ab.py --base {args.base} --threads {args.threads}{flags}` at {stamp} on {machine_line()}, commit {git_commit()}"
         )
-        for rows in args.rows:
-            x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (576, 1536)}
-            y = torch.empty(rows, 3072, dtype=torch.bfloat16)
-            best = dict.fromkeys(libs, float("inf"))
-            for r in range(args.repeats):
-                for name in list(libs) if r % 2 else list(libs)[::-1]:
-                    best[name] = min(best[name], forward_s(libs[name], weights, x, y, args.silu))
-            base_ms, head_ms = 1000 * best[args.base], 1000 * best["HEAD"]
-            print(f"| {rows} | {base_ms:.2f} | {head_ms:.2f} | {head_ms / base_ms:.3f} |", flush=True)
+        if args.attention:
+            compare_attention(libs, args.base, args.rows, args.start, args.repeats)
+        else:
+            compare_matmuls(libs, args.base, args.rows, args.repeats, args.silu)
     return 0
 
 
