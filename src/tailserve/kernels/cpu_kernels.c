@@ -1515,6 +1515,7 @@ static void prompt_tile(const prompt_job *j, int64_t g, int64_t t) {
         transpose16_epi32(qr[c]);
         for (int64_t i2 = 0; i2 < 16; i2++) _mm512_store_si512(qt + c * 512 + i2 * 32, qr[c][i2]);
     }
+    __asm__ volatile("" ::: "memory"); /* q^T stored before the tile loads (no memory clobber) read it */
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
