@@ -6,11 +6,14 @@ alternating, the best of --repeats each. `--silu` runs gate-up as it serves, thr
 SiLU x up kernel (`ts_q4_prefill_silu_matmul`, 1,536 outputs). `--attention` times the prompt
 attention instead (`ts_paged_prompt_attention`, one layer of the default model: 9 heads, 3 kv heads,
 head size 64, 16-slot blocks in shuffled order; the rows at --start onward over a cache filled up
-to them, random q/k/v) and says whether both builds give the same bits. Needs AMX. Never beside
-another measurement.
+to them, random q/k/v) and says whether both builds give the same bits. `--decode` times a decode
+step's exact kernels instead (`ts_q4_matmul` on the 30 layers, then `ts_q8_matmul` on the Q8_0 LM
+head, 576->49,152, apart) at a few rows, and first checks both builds give the same bits on every
+one. Needs AMX. Never beside another measurement.
 
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 2   # ~30 s
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --attention --rows 256 512 1600
+    .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 1 --decode --rows 1 2 4 8
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
     lib.ts_q4_prefill_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     lib.ts_q4_prefill_silu_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     lib.ts_paged_prompt_attention.argtypes = [_P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, ctypes.c_float]
+    lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
+    lib.ts_q8_matmul.argtypes = [_P, _I, _I, _P, _P, _I, _P]
     return lib
 
 
@@ -165,6 +170,89 @@ def compare_attention(
         )
 
 
+HEAD_SHAPE = (576, 49152)  # the LM head's (k, n_out)
+
+
+def head_weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 codes and scales of the LM head, in ts_q8_matmul's layout."""
+    g = torch.Generator().manual_seed(seed)
+    k, n = HEAD_SHAPE
+    codes = torch.randint(-128, 128, (n * k,), dtype=torch.int8, generator=g)
+    return codes, torch.rand(n * k // 32, generator=g) * 0.02
+
+
+def decode_s(
+    lib: ctypes.CDLL,
+    weights: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    x: dict[int, torch.Tensor],
+    y: torch.Tensor,
+    outputs: list[torch.Tensor] | None = None,
+) -> float:
+    """Seconds of ts_q4_matmul over `weights` (each output appended to `outputs` when given)."""
+    rows = x[576].shape[0]
+    start = time.perf_counter()
+    for k, n, packed, scale, low in weights:
+        lib.ts_q4_matmul(
+            x[k].data_ptr(),
+            rows,
+            k,
+            packed.data_ptr(),
+            scale.data_ptr(),
+            low.data_ptr(),
+            None,
+            n,
+            y.data_ptr(),
+        )
+        if outputs is not None:
+            outputs.append(y.view(-1)[: rows * n].clone())  # y is [rows, n] at the front
+    return time.perf_counter() - start
+
+
+def head_s(
+    lib: ctypes.CDLL, head: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, logits: torch.Tensor
+) -> float:
+    """Seconds of the LM head's ts_q8_matmul."""
+    k, n = HEAD_SHAPE
+    start = time.perf_counter()
+    lib.ts_q8_matmul(
+        x.data_ptr(), x.shape[0], k, head[0].data_ptr(), head[1].data_ptr(), n, logits.data_ptr()
+    )
+    return time.perf_counter() - start
+
+
+def decode_ab(libs: dict[str, ctypes.CDLL], rows_list: Sequence[int], repeats: int) -> None:
+    """Per row count: both builds' best layer and head times, after checking their bits agree."""
+    weights, head = layer_weights(0), head_weights(1)
+    base, _ = libs
+    print(
+        f"\n| rows | layers {base} ms | layers HEAD ms | HEAD / {base} | head {base} ms | head HEAD ms | HEAD / {base} |"
+        "\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    for rows in rows_list:
+        x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (576, 1536)}
+        y = torch.empty(rows, 3072, dtype=torch.bfloat16)
+        logits = {name: torch.empty(rows, HEAD_SHAPE[1]) for name in libs}
+        outputs: dict[str, list[torch.Tensor]] = {name: [] for name in libs}
+        for name, lib in libs.items():
+            decode_s(lib, weights, x, y, outputs[name])
+            head_s(lib, head, x[576], logits[name])
+        a, b = outputs.values()
+        if any(not torch.equal(p, q) for p, q in zip(a, b, strict=True)) or not torch.equal(*logits.values()):
+            raise SystemExit(f"{rows} rows: the two builds' outputs differ")
+        layers = dict.fromkeys(libs, float("inf"))
+        heads = dict.fromkeys(libs, float("inf"))
+        for r in range(repeats):
+            for name in list(libs) if r % 2 else list(libs)[::-1]:
+                layers[name] = min(layers[name], decode_s(libs[name], weights, x, y))
+                heads[name] = min(heads[name], head_s(libs[name], head, x[576], logits[name]))
+        lb, lh = 1000 * layers[base], 1000 * layers["HEAD"]
+        hb, hh = 1000 * heads[base], 1000 * heads["HEAD"]
+        print(
+            f"| {rows} | {lb:.2f} | {lh:.2f} | {lh / lb:.3f} | {hb:.3f} | {hh:.3f} | {hh / hb:.3f} |",
+            flush=True,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit whose kernels to compare against")
@@ -176,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--attention", action="store_true", help="the prompt attention, one layer, not the matmuls"
     )
     parser.add_argument("--start", type=int, default=0, help="--attention: the first row's position")
+    parser.add_argument(
+        "--decode", action="store_true", help="the decode kernels (ts_q4_matmul, ts_q8_matmul)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,9 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = (" --silu" if args.silu else "") + (
             f" --attention --start {args.start}" if args.attention else ""
         )
+        flags += " --decode" if args.decode else ""
         print(
             f"# `benchmarks/kernel_ab.py --base {args.base} --threads {args.threads}{flags}` at {stamp} on {machine_line()}, commit {git_commit()}"
         )
+        if args.decode:
+            decode_ab(libs, args.rows, args.repeats)
+            return 0
         if args.attention:
             compare_attention(libs, args.base, args.rows, args.start, args.repeats)
         else:
