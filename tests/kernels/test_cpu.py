@@ -484,6 +484,47 @@ def test_q8_tile_head_is_exact_to_the_q8_0_blocks(tiles: ctypes.CDLL) -> None:
         assert torch.equal(packed.matmul(x[i : i + 1].contiguous()), got[i : i + 1])
 
 
+def _q8_tile_matmul(
+    tiles: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """ts_q8_matmul of x [rows, k] on packed int8 [n / 16, k / 32, 16, 16, 2], scale [n / 16, k / 32, 16]."""
+    rows, k, n = x.shape[0], x.shape[1], packed.shape[0] * 16
+    y = torch.empty(rows, n)
+    tiles.ts_q8_matmul(ptr(x), rows, k, ptr(packed), ptr(scale), n, ptr(y))
+    return y
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 7])
+def test_tile_matmul_sums_each_group_alone_then_scales_in_group_order(
+    tiles: ctypes.CDLL, groups: int
+) -> None:
+    """The decode matmuls' bits are pinned by their schedule: each group's tile product on its own,
+    from zero (a one-group call with scale 1 gives it), then acc = fma(scale, product, acc) group
+    after group. Checked on the Q8_0 head kernel (its output is the float32 acc; the int4 kernel runs
+    the same schedule), at 1-17 rows, an odd tile count and 1 and 2 threads."""
+    n, k = 48, 32 * groups
+    gen = torch.Generator().manual_seed(groups)
+    packed = torch.randint(-128, 128, (n // 16, groups, 16, 16, 2), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n // 16, groups, 16, generator=gen) + 0.5
+    ones = torch.ones(n // 16, 1, 16)
+    threads = int(tiles.ts_threads())
+    try:
+        for rows in range(1, 18):
+            x = _bf(rows, k, seed=rows)
+            want = torch.zeros(rows, n, dtype=torch.float64)
+            for g in range(groups):
+                product = _q8_tile_matmul(
+                    tiles, x[:, 32 * g : 32 * g + 32].contiguous(), packed[:, g : g + 1].contiguous(), ones
+                )
+                # fma in float64: the product of two float32 is exact there, so one rounding to float32
+                want = (scale[:, g].reshape(n).double() * product.double() + want).float().double()
+            for t in (1, 2):
+                tiles.ts_set_threads(t)
+                assert torch.equal(_q8_tile_matmul(tiles, x, packed, scale), want.float()), (rows, t)
+    finally:
+        tiles.ts_set_threads(threads)
+
+
 def _runner(smol: LoadedModel, fused: bool) -> ModelRunner:
     model = build_model(smol, "int4", torch.device("cpu"), 512)
     runner = ModelRunner(model, 64, 16, torch.device("cpu"), kv_dtype=torch.bfloat16, cpu_kernels=fused)

@@ -630,8 +630,8 @@ static inline void load_tile_config(const tile_config *c) {
     _tile_loadconfig(c);
 }
 
-/* Two tile sets, so one group's widening and epilogue overlap the other's tile work:
- * tiles 0 / 3: C, rows x 16 float32; 1 / 4: A, rows x 32 bf16; 2 / 5: B, 16 k-pairs x 16 outputs. */
+/* Two tile sets (amx_tile: a group's by its parity): tiles 0 / 3: C, rows x 16 float32; 1 / 4: A,
+ * rows x 32 bf16; 2 / 5: B, 16 k-pairs x 16 outputs. */
 static void amx_config(int64_t rows) {
     tile_config c;
     memset(&c, 0, sizeof c);
@@ -672,48 +672,64 @@ static inline void widen_q8_group(const int8_t *w, bf16 *b_tile) {
     for (int i = 0; i < 16; i++) _mm512_store_si512(b_tile + i * 32, b[i]);
 }
 
-/* acc [rows, 16] += the tile's outputs over all groups: groups two at a time on the two tile sets.
- * q4 (w uint8, 256 bytes a group, with shifted_min and xsum) or q8 (w int8, 512 bytes a group). */
+/* How far ahead of the group being widened its weights are prefetched: a decode step reads each
+ * layer's weights once, from memory, and the hardware prefetcher alone kept too few lines in flight
+ * (30 layers at 1 row, 1 thread: 2048 bytes 0.74x, 8192 0.69-0.75x, 16384 0.76-0.80x the time
+ * without). Past a tile's end it reads the next tile's, which the next pass widens. */
+#define WEIGHT_PREFETCH_BYTES 8192
+
+/* Groups widened ahead of their tile product in amx_tile. */
+#define AMX_AHEAD 3
+
+/* One group's B tile into b_tile, its weights WEIGHT_PREFETCH_BYTES on asked for. */
+static inline void widen_group(const uint8_t *w, int q4, bf16 *b_tile) {
+    const int group_bytes = q4 ? 256 : 512;
+    for (int i = 0; i < group_bytes; i += 64) _mm_prefetch((const char *)w + WEIGHT_PREFETCH_BYTES + i, _MM_HINT_T0);
+    if (q4)
+        widen_q4_group(w, b_tile);
+    else
+        widen_q8_group((const int8_t *)w, b_tile);
+}
+
+/* acc [rows, 16] += the tile's outputs over all groups. q4 (w uint8, 256 bytes a group, with
+ * shifted_min and xsum) or q8 (w int8, 512 bytes a group). A tile load waits until the stores that
+ * widened its B tile have left the core, and stores leave in program order, behind the previous
+ * group's tile store, which waits for its product: widened just before its product, a group's
+ * widening, product, store and epilogue ran as one chain (~24 ns a group at 1 row with the
+ * weights in L2). So a group is widened AMX_AHEAD groups before its product (a ring of
+ * AMX_AHEAD + 1 B buffers), and its epilogue runs after the next group's product (two C buffers,
+ * on tile sets 0-2 and 3-5 by the group's parity): ~16 ns. Each group's product still starts from
+ * a zeroed C tile and the epilogues still add in group order: the bits are the same. */
 static inline void amx_tile(const bf16 *x, int64_t k, const void *w, int q4, const float *scale,
                             const float *shifted_min, const float *xsum, float *acc, int64_t rows) {
     const int64_t groups = k / GROUP_K, group_bytes = q4 ? 256 : 512;
-    bf16 b0[16 * 32] __attribute__((aligned(64))), b1[16 * 32] __attribute__((aligned(64)));
-    float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
     const uint8_t *wb = (const uint8_t *)w;
-    int64_t g = 0;
-    for (; g + 1 < groups; g += 2) {
-        if (q4) {
-            widen_q4_group(wb + g * group_bytes, b0);
-            widen_q4_group(wb + (g + 1) * group_bytes, b1);
-        } else {
-            widen_q8_group((const int8_t *)wb + g * group_bytes, b0);
-            widen_q8_group((const int8_t *)wb + (g + 1) * group_bytes, b1);
+    bf16 b[AMX_AHEAD + 1][16 * 32] __attribute__((aligned(64)));
+    float c[2][16 * 16] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < AMX_AHEAD && g < groups; g++) widen_group(wb + g * group_bytes, q4, b[g]);
+    for (int64_t g = 0; g <= groups; g++) {
+        const int64_t ahead = g + AMX_AHEAD;
+        if (ahead < groups) widen_group(wb + ahead * group_bytes, q4, b[ahead % (AMX_AHEAD + 1)]);
+        if (g < groups) {
+            const bf16 *bg = b[g % (AMX_AHEAD + 1)];
+            if (g & 1) {
+                _tile_loadd(4, x + g * GROUP_K, k * 2);
+                _tile_loadd(5, bg, 64);
+                _tile_zero(3);
+                _tile_dpbf16ps(3, 4, 5);
+                _tile_stored(3, c[1], 64);
+            } else {
+                _tile_loadd(1, x + g * GROUP_K, k * 2);
+                _tile_loadd(2, bg, 64);
+                _tile_zero(0);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_stored(0, c[0], 64);
+            }
         }
-        _tile_loadd(2, b0, 64);
-        _tile_loadd(5, b1, 64);
-        _tile_loadd(1, x + g * GROUP_K, k * 2);
-        _tile_loadd(4, x + (g + 1) * GROUP_K, k * 2);
-        _tile_zero(0);
-        _tile_zero(3);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_dpbf16ps(3, 4, 5);
-        _tile_stored(0, c0, 64);
-        _tile_stored(3, c1, 64);
-        amx_epilogue(c0, acc, rows, scale + g * 16, shifted_min ? shifted_min + g * 16 : NULL, xsum ? xsum + g : NULL, groups);
-        amx_epilogue(c1, acc, rows, scale + (g + 1) * 16, shifted_min ? shifted_min + (g + 1) * 16 : NULL,
-                     xsum ? xsum + g + 1 : NULL, groups);
-    }
-    if (g < groups) {
-        if (q4)
-            widen_q4_group(wb + g * group_bytes, b0);
-        else
-            widen_q8_group((const int8_t *)wb + g * group_bytes, b0);
-        _tile_loadd(2, b0, 64);
-        _tile_loadd(1, x + g * GROUP_K, k * 2);
-        _tile_zero(0);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_stored(0, c0, 64);
-        amx_epilogue(c0, acc, rows, scale + g * 16, shifted_min ? shifted_min + g * 16 : NULL, xsum ? xsum + g : NULL, groups);
+        if (g == 0) continue;
+        const int64_t e = g - 1; /* the previous group's epilogue, behind this group's product */
+        amx_epilogue(c[e & 1], acc, rows, scale + e * 16, shifted_min ? shifted_min + e * 16 : NULL,
+                     xsum ? xsum + e : NULL, groups);
     }
 }
 
