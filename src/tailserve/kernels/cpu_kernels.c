@@ -535,12 +535,18 @@ int ts_amx_init(void) {
 #endif
 }
 
-/* How far ahead of the group being widened its weights are prefetched (amx_tile, dp_tile): a decode
- * step reads each layer's weights once, from memory, and the hardware prefetcher alone kept too few
- * lines in flight. Prefetch alone, 1 thread, 1-4 rows (2026-12-05): AMX 30 layers 0.85-0.88x, head
- * 0.78-0.82x; AVX512-BF16 build 0.78-0.83x both. 4-8 KB ahead did best, 1 KB and 16 KB less well.
- * Past a tile's end it reads the next tile's, which the next pass widens. */
-#define WEIGHT_PREFETCH_BYTES 8192
+/* A decode step reads each layer's weights once, from memory, and the hardware prefetcher alone
+ * kept too few lines in flight; so the decode kernels (amx_tile, dp_tile) ask for the weights
+ * 32 KB ahead of the group they widen into L2 and 4 KB ahead into L1 (past a tile's end, the next
+ * tile's, which the next pass widens). 1 thread, 1-4 rows, 2026-12-05: one prefetch 8 KB ahead
+ * into L1 on the old AMX schedule: 30 layers 0.85-0.88x, head 0.78-0.82x (AVX512-BF16 build:
+ * 0.78-0.83x both); 1 KB or 16 KB ahead did less well; the two levels 0.95-0.97x of 8 KB into L1. */
+static inline void prefetch_weights(const uint8_t *group, int group_bytes) {
+    for (int i = 0; i < group_bytes; i += 64) {
+        __builtin_prefetch(group + 32768 + i, 0, 2); /* prefetcht1 */
+        __builtin_prefetch(group + 4096 + i, 0, 3);  /* prefetcht0 */
+    }
+}
 
 #if defined(TS_DPBF16)
 /* One group's B tile in registers: row i holds k-pair (2i, 2i + 1) of the group for the 16
@@ -582,8 +588,7 @@ static inline void dp_tile(const bf16 *x, int64_t k, const void *w, int q4, cons
     const uint8_t *wb = (const uint8_t *)w;
     __m512i b[16];
     for (int64_t g = 0; g < groups; g++) {
-        for (int64_t i = 0; i < group_bytes; i += 64)
-            _mm_prefetch((const char *)wb + g * group_bytes + WEIGHT_PREFETCH_BYTES + i, _MM_HINT_T0);
+        prefetch_weights(wb + g * group_bytes, (int)group_bytes);
         if (q4)
             widen_q4_regs(wb + g * group_bytes, b);
         else
@@ -685,10 +690,9 @@ static inline void widen_q8_group(const int8_t *w, bf16 *b_tile) {
 /* Groups widened ahead of their tile product in amx_tile. */
 #define AMX_AHEAD 3
 
-/* One group's B tile into b_tile, its weights WEIGHT_PREFETCH_BYTES on asked for. */
+/* One group's B tile into b_tile (and the weights ahead of it asked for). */
 static inline void widen_group(const uint8_t *w, int q4, bf16 *b_tile) {
-    const int group_bytes = q4 ? 256 : 512;
-    for (int i = 0; i < group_bytes; i += 64) _mm_prefetch((const char *)w + WEIGHT_PREFETCH_BYTES + i, _MM_HINT_T0);
+    prefetch_weights(w, q4 ? 256 : 512);
     if (q4)
         widen_q4_group(w, b_tile);
     else
