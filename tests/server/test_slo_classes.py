@@ -20,6 +20,7 @@ from tailserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tailserve.engine import AsyncEngine
 from tailserve.engine.request import SloTarget
 from tailserve.errors import ConfigError
+from tailserve.server.app import create_app
 from tailserve.server.config import ServerConfig
 from tailserve.server.slo_classes import SloClasses
 from tailserve.weights.loader import LoadedModel
@@ -189,6 +190,19 @@ def test_for_request_holds_client_choices_to_the_callers_class(
     snappy = {"ttft_ms": 500, "tpot_ms": 5000}  # tighter than batch's TTFT, looser than its TPOT
     classes = _classes(tmp_path, {**CLASSES, "classes": {"batch": {"ttft_ms": 20000}, "snappy": snappy}})
     assert classes.for_request(key, "fake-model", priority, slo, trusted=trusted) == expected
+
+
+def test_an_app_refuses_classes_tighter_than_its_engine_was_built_for(tmp_path: Path) -> None:
+    """A program that passes --slo-classes' file to create_app itself: a class tighter than the
+    engine's scheduler knows would let a step with no decode run past half its target, so the app
+    is refused with a ConfigError that says how to build the engine; built that way, it serves."""
+    classes = _classes(tmp_path, {"classes": {"snappy": {"ttft_ms": 500}}, "models": {"fake-model": "snappy"}})
+    loose = FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=2.0))
+    with pytest.raises(ConfigError, match="tightest_ttft_s=0.5"):
+        create_app(loose, ServerConfig(slo_classes=classes))
+    told = FakeEngine(scheduler=classes.scheduler_config(SchedulerConfig(slo_ttft_s=2.0)))
+    with threaded_server(told, ServerConfig(slo_classes=classes)) as base:
+        assert _timings(_client(base, "unused"))[:2] == ("snappy", 0.5)
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,10 @@ class ServerState:
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """A ready-to-serve ASGI app around an engine that is constructed but not yet started."""
+    """A ready-to-serve ASGI app around an engine that is constructed but not yet started.
+    ConfigError where `config.slo_classes` is tighter than the engine was built for."""
+    if config.slo_classes is not None:
+        config.slo_classes.check_engine(engine.config.scheduler)
     admission = Admission(engine, WaitCorrection(enabled=config.admission_correction))
     protocol = ProtocolLabels(engine.model_name, engine.config.cache)
     metrics = ServerMetrics(engine.stats, lambda: admission.serving, protocol)

@@ -384,9 +384,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         ),
     )
     slo_classes = SloClasses.load(args.slo_classes, engine.scheduler) if args.slo_classes else None
-    if slo_classes is not None:  # a longer step with no decode leaves the tightest class its time
-        scheduler = dataclasses.replace(engine.scheduler, tightest_ttft_s=slo_classes.tightest_ttft_s)
-        engine = dataclasses.replace(engine, scheduler=scheduler)
+    if slo_classes is not None:
+        engine = dataclasses.replace(engine, scheduler=slo_classes.scheduler_config(engine.scheduler))
     server = from_flags(
         ServerConfig,
         args,

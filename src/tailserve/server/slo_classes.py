@@ -8,6 +8,7 @@ the caller's class unless the front is trusted (--trust-request-slo). No engine 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -55,6 +56,21 @@ class SloClasses:
     def tightest_ttft_s(self) -> float:
         """The tightest TTFT target of any class (SchedulerConfig.tightest_ttft_s)."""
         return min(float(t.ttft_s or math.inf) for t in self.classes.values())
+
+    def scheduler_config(self, scheduler: SchedulerConfig) -> SchedulerConfig:
+        """`scheduler` told this file's tightest TTFT (a step with no decode leaves that class its time)."""
+        return dataclasses.replace(scheduler, tightest_ttft_s=self.tightest_ttft_s)
+
+    def check_engine(self, scheduler: SchedulerConfig) -> None:
+        """ConfigError where the engine's scheduler was built without this file's tightest TTFT: it
+        would let a step with no decode run past half that target (build it with `scheduler_config`)."""
+        bound_s = scheduler.tightest_ttft_s or scheduler.slo_ttft_s
+        if self.tightest_ttft_s < bound_s:
+            raise ConfigError(
+                f"--slo-classes: a class's TTFT target is {self.tightest_ttft_s:g} s, but the engine was built "
+                f"for {bound_s:g} s; build its SchedulerConfig with SloClasses.scheduler_config "
+                f"(tightest_ttft_s={self.tightest_ttft_s:g})"
+            )
 
     def _known(self) -> str:
         return "known: " + ", ".join(sorted(self.classes))
