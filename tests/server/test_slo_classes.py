@@ -196,7 +196,9 @@ def test_an_app_refuses_classes_tighter_than_its_engine_was_built_for(tmp_path: 
     """A program that passes --slo-classes' file to create_app itself: a class tighter than the
     engine's scheduler knows would let a step with no decode run past half its target, so the app
     is refused with a ConfigError that says how to build the engine; built that way, it serves."""
-    classes = _classes(tmp_path, {"classes": {"snappy": {"ttft_ms": 500}}, "models": {"fake-model": "snappy"}})
+    classes = _classes(
+        tmp_path, {"classes": {"snappy": {"ttft_ms": 500}}, "models": {"fake-model": "snappy"}}
+    )
     loose = FakeEngine(scheduler=SchedulerConfig(slo_ttft_s=2.0))
     with pytest.raises(ConfigError, match="tightest_ttft_s=0.5"):
         create_app(loose, ServerConfig(slo_classes=classes))
