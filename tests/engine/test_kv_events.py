@@ -244,7 +244,11 @@ def test_stream_tracks_the_prefix_cache_through_evictions_and_a_flush(
         ([shared + _prompt(600, 20)], "tenant-a"),  # salted: its first block carries the salt
     ]
     llm.generate(rounds[0][0], _params(None))
-    # The router subscribes late: what it missed comes from the replay socket.
+    # The router subscribes late, after the first round's batches have left the PUB socket (the
+    # publisher thread sends them in its own time): what it missed comes from the replay socket.
+    publisher = llm.engine.kv_events
+    assert publisher is not None and publisher.flush(SYNC_TIMEOUT_S)
+    assert publisher.published > 0
     view = RouterView(f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay", encoding)
     try:
         view.sync_with(_engine_cache(llm, as_int))

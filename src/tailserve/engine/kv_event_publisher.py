@@ -180,10 +180,23 @@ class KVEventPublisher:
             self._close_sockets()
             raise
         self.published = 0  # batches sent so far; the next batch's sequence number
+        self.handled = 0  # events recorded before the last batch was taken: all sent by now
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tailserve-kv-events", daemon=True)
         self._thread.start()
         log.info("KV-cache events on %s (replay: %s)", config.endpoint, config.replay_endpoint)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every event recorded before this call has been sent on the PUB socket (or
+        the thread failed to send it and logged why); False if `timeout_s` passed first."""
+        target = self.log.recorded
+        deadline = time.monotonic() + timeout_s
+        while self.handled < target:
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            self.log.wake.set()
+            time.sleep(0.005)
+        return True
 
     def close(self) -> None:
         """Publish what is still recorded, stop the thread, close the sockets (idempotent)."""
@@ -206,7 +219,11 @@ class KVEventPublisher:
             self.log.wake.wait(0.1)
             self.log.wake.clear()
             try:
-                self._publish(self.log.take())
+                events, upto = self.log.take()
+                try:
+                    self._publish(events)
+                finally:  # sent, or logged below as failed: either way no longer waited for
+                    self.handled = upto
                 self._serve_replays()
             except Exception:  # a bad send must not end event publishing; log and carry on
                 log.exception("publishing KV-cache events failed")

@@ -45,6 +45,7 @@ class KVEventLog:
         self._max_pending = max_pending
         self.wake = threading.Event()  # set when something was recorded
         self.overflows = 0  # times the backlog was dropped for a Cleared
+        self.recorded = 0  # events recorded so far (counted after each is queued)
 
     def record(self, event: KVEvent) -> None:
         """Queue one event. A backlog past `max_pending` (the publisher stalled) is dropped and
@@ -55,13 +56,17 @@ class KVEventLog:
             self._pending.append(Cleared())
             self.overflows += 1
         self._pending.append(event)
+        self.recorded += 1
         self.wake.set()
 
-    def take(self) -> list[KVEvent]:
-        """Every event recorded so far, oldest first, removed from the log."""
+    def take(self) -> tuple[list[KVEvent], int]:
+        """Every event recorded so far, oldest first, removed from the log; and how many events had
+        been recorded before the taking began (each of those is in the list, or was dropped for a
+        Cleared that is)."""
+        upto = self.recorded  # counted after the append: all `upto` events are queued or dropped
         out: list[KVEvent] = []
         try:
             while True:
                 out.append(self._pending.popleft())
         except IndexError:
-            return out
+            return out, upto
