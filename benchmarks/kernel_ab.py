@@ -2,8 +2,9 @@
 commit's, in one process: both sources built with the server's flags, then the four layer matmuls of
 the default model's 30 layers (QKV 576->960, O 576->576, gate-up 576->3072, down 1536->576; random
 codes, so every layer's weights are cold as in a step) timed at each row count, the two builds
-alternating, the best of --repeats each. `--silu` runs gate-up as it serves, through the fused
-SiLU x up kernel (`ts_q4_prefill_silu_matmul`, 1,536 outputs). `--attention` times the prompt
+alternating, the best of --repeats each, once both are seen to give the same bits on one layer's
+matmuls. `--silu` runs gate-up as it serves, through the fused SiLU x up kernel
+(`ts_q4_prefill_silu_matmul`, 1,536 outputs). `--attention` times the prompt
 attention instead (`ts_paged_prompt_attention`, one layer of the default model: 9 heads, 3 kv heads,
 head size 64, 16-slot blocks in shuffled order; the rows at --start onward over a cache filled up
 to them, random q/k/v) and says whether both builds give the same bits. `--decode` times a decode
@@ -128,14 +129,37 @@ def forward_s(
     return time.perf_counter() - start
 
 
+def same_matmul_bits(
+    libs: dict[str, ctypes.CDLL],
+    weights: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    x: dict[int, torch.Tensor],
+    silu: bool,
+) -> bool:
+    """Whether both builds give the same bits on one layer's four matmuls (gate-up fused with --silu)."""
+    rows = x[576].shape[0]
+    outputs = []
+    for lib in libs.values():
+        out = []
+        for layer in weights[: len(SHAPES)]:
+            y = torch.zeros(rows, 3072, dtype=torch.bfloat16)
+            forward_s(lib, [layer], x, y, silu)
+            out.append(y)
+        outputs.append(out)
+    a, b = outputs
+    return all(torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(a, b, strict=True))
+
+
 def compare_matmuls(
     libs: dict[str, ctypes.CDLL], base: str, row_counts: Sequence[int], repeats: int, silu: bool
 ) -> None:
-    """A table row per row count: the best 30 layers' matmuls of each build."""
+    """A table row per row count: the best 30 layers' matmuls of each build, once both builds are
+    seen to give the same bits on a layer's matmuls."""
     weights = layer_weights(0)
     print(f"\n| rows | {base} ms | HEAD (working tree) ms | HEAD / {base} |\n| ---: | ---: | ---: | ---: |")
     for rows in row_counts:
         x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (576, 1536)}
+        if not same_matmul_bits(libs, weights, x, silu):
+            raise SystemExit(f"{rows} rows: the two builds' outputs differ")
         y = torch.empty(rows, 3072, dtype=torch.bfloat16)
         best = dict.fromkeys(libs, float("inf"))
         for r in range(repeats):
