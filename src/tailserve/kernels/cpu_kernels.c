@@ -1065,42 +1065,14 @@ static bf16 *widened_buffer(size_t bytes) {
 /* Numbers the prompt-row calls (widened_scratch.call). */
 static _Atomic int64_t prefill_calls;
 
-/* Rows m0 .. m0 + rows - 1 of output tiles t, t + second (pair 2) or t alone (pair 1) from their widened
- * weights w0 / w1: 32 rows at a time through four C tiles (two row halves x the pair: each A and B
- * tile loaded once for two products), the last < 32 rows (or a lone tile) 16 at a time through two.
- * Each output's sum runs over the groups in order in one C tile either way: the same bits for any
+/* Rows m0 .. m0 + rows - 1 (fewer than 32, or a lone last tile) of output tiles t, t + second (pair 2)
+ * or t alone (pair 1) from their widened weights w0 / w1, 16 rows at a time through two C tiles. Each
+ * output's sum runs over the groups in order in one C tile, as in prefill_block: the same bits for any
  * row count. `configured`: the tile configuration in force (rows a tile, 32 for the 2 x 2 one). */
 static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t t, int64_t pair, const bf16 *w0,
                          const bf16 *w1, int64_t *configured) {
     const int64_t k = j->k, groups = k / GROUP_K, end = m0 + rows;
     float c0[16 * 16] __attribute__((aligned(64))), c1[16 * 16] __attribute__((aligned(64)));
-    float c2[16 * 16] __attribute__((aligned(64))), c3[16 * 16] __attribute__((aligned(64)));
-    if (pair == 2) {
-        for (; m0 + 32 <= end; m0 += 32) {
-            if (*configured != 32) amx_config_2x2(), *configured = 32;
-            const bf16 *xa = j->x + m0 * k, *xb = xa + 16 * k;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t g = 0; g < groups; g++) {
-                _tile_loadd(4, xa + g * GROUP_K, k * 2);
-                _tile_loadd(6, w0 + g * 512, 64);
-                _tile_loadd(7, w1 + g * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, xb + g * GROUP_K, k * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, c0, 64);
-            _tile_stored(1, c1, 64);
-            _tile_stored(2, c2, 64);
-            _tile_stored(3, c3, 64);
-            prefill_pair_out(j, c0, c1, m0, 16, t);
-            prefill_pair_out(j, c2, c3, m0 + 16, 16, t);
-        }
-    }
     for (; m0 < end; m0 += 16) {
         const int64_t mb = end - m0 < 16 ? end - m0 : 16;
         if (*configured != mb) amx_config(mb), *configured = mb;
@@ -1109,10 +1081,10 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
         _tile_zero(3);
         for (int64_t g = 0; g < groups; g++) {
             _tile_loadd(1, xb + g * GROUP_K, k * 2);
-            _tile_loadd(2, w0 + g * 512, 64);
+            _tile_stream_loadd(2, w0 + g * 512, 64);
             _tile_dpbf16ps(0, 1, 2);
             if (pair == 2) {
-                _tile_loadd(5, w1 + g * 512, 64);
+                _tile_stream_loadd(5, w1 + g * 512, 64);
                 _tile_dpbf16ps(3, 1, 5);
             }
         }
@@ -1124,6 +1096,81 @@ static void prefill_rows(const prefill_job *j, int64_t m0, int64_t rows, int64_t
             prefill_store(j, c0, m0, mb, t);
         }
     }
+}
+
+/* A 32-row x pair block's float32 results waiting for their epilogue (t < 0: none): c0 | c1 | c2 | c3,
+ * C tile 2 r + p holding row half r of the pair's tile p. */
+typedef struct {
+    float c[4 * 256] __attribute__((aligned(64)));
+    int64_t m0, t;
+} prefill_pending;
+
+/* The epilogue of rows r0 .. r1 - 1 (of 32) of the pending block. */
+static inline void prefill_pending_rows(const prefill_job *j, const prefill_pending *q, int64_t r0, int64_t r1) {
+    if (r0 < 16) {
+        const int64_t e = r1 < 16 ? r1 : 16;
+        prefill_pair_out(j, q->c + r0 * 16, q->c + 256 + r0 * 16, q->m0 + r0, e - r0, q->t);
+    }
+    if (r1 > 16) {
+        const int64_t s = r0 > 16 ? r0 : 16;
+        prefill_pair_out(j, q->c + 512 + (s - 16) * 16, q->c + 768 + (s - 16) * 16, q->m0 + s, r1 - s, q->t);
+    }
+}
+
+/* The pending block's whole epilogue, now. */
+static inline void prefill_flush(const prefill_job *j, prefill_pending *q) {
+    if (q->t >= 0) prefill_pending_rows(j, q, 0, 32);
+    q->t = -1;
+}
+
+/* Rows m0 .. m0 + 31 of output tiles t, t + second from their widened weights w0 / w1 in one 2 x 2 block:
+ * four C tiles (row half r, tile p at 2 r + p) fed by two A and two B tiles (each tile load serves two
+ * products), every output summed over the groups in order in one C tile. The pending block's epilogue
+ * (the previous block's results, already stored) is spread over this block's groups (1-2 rows a group
+ * at k = 576), and this block's results become the pending ones. Why both, measured 2026-12-06 on the 2-vCPU
+ * Sapphire Rapids VM (the 30 layers' matmuls, --silu, best of 7, against ead1c3d in one process):
+ * - The B tiles load with the T1 hint (TILELOADDT1: reused, but not needed in the nearest cache). A
+ *   pair's widened B at k = 576 is 36 KB, the 32-row A block 36 KB: both streaming through L1 (48 KB,
+ *   12 ways) left 18 lines a set between two uses of an A line, so A came from L2 too, 4 KB a group
+ *   where the hint leaves 2 KB. Alone: 0.83-0.86x at 256-1,600 rows on two threads, 0.87x at 256 on one.
+ * - The epilogue: where it ran after the block's tile stores, the next block's products could not
+ *   start until it had left the reorder buffer (~800 vector operations for a SiLU block's 32 rows),
+ *   so vector and tile work took turns; a few rows between each group's products run in the shadow of
+ *   the tile products instead. Alone: 0.85-0.89x on two threads, 0.89-0.91x at 256 rows on one.
+ * Together: 0.73-0.77x at 256-1,600 rows on two threads, 0.73-0.78x at 256-512 rows on one; the prompt
+ * step in process 0.79x at 512 tokens, 0.88x at 1,600 (see docs/ENGINE.md).
+ * Tried and not kept (same runs): K in blocks of 9 groups through a per-pair buffer of partial sums (A
+ * in L1 without the hint: 0.86-0.88x alone, but with the hint and the spread epilogue, blocking only
+ * down's K = 1,536 into 3 was 0.74-0.80x against 0.73-0.78x without); two 2 x 1 blocks a pair on
+ * alternating C tiles, so no block waits for the previous one's tile stores (A loaded twice a pair:
+ * 1.06-1.16x without the hint, 0.88-0.96x with it); a pair's two tiles stored as one 64-byte line
+ * (VCVTNE2PS2BF16) in the plain matmuls: 0.95-0.98x best of 7, medians 0.97-1.01x: noise. */
+static void prefill_block(const prefill_job *j, int64_t m0, int64_t t, const bf16 *w0, const bf16 *w1,
+                          prefill_pending *q, int64_t *configured) {
+    const int64_t k = j->k, groups = k / GROUP_K;
+    if (*configured != 32) amx_config_2x2(), *configured = 32;
+    const bf16 *xa = j->x + m0 * k, *xb = xa + 16 * k;
+    const int pending = q->t >= 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t g = 0; g < groups; g++) {
+        _tile_loadd(4, xa + g * GROUP_K, k * 2);
+        _tile_stream_loadd(6, w0 + g * 512, 64);
+        _tile_stream_loadd(7, w1 + g * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xb + g * GROUP_K, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        if (pending) prefill_pending_rows(j, q, g * 32 / groups, (g + 1) * 32 / groups);
+    }
+    _tile_stored(0, q->c, 64);
+    _tile_stored(1, q->c + 256, 64);
+    _tile_stored(2, q->c + 512, 64);
+    _tile_stored(3, q->c + 768, 64);
+    q->m0 = m0, q->t = t;
 }
 
 /* One chunk of ts_q4_prefill_matmul: `pairs_per_chunk` pairs of output tiles, their weights widened
@@ -1159,14 +1206,22 @@ static void prefill_chunk(const void *arg, int64_t chunk) {
                                      widened + (2 * (p - p0) + half) * tile_elems + g * 512);
         }
     int64_t configured = -1;
+    prefill_pending pending;
+    pending.t = -1;
     for (int64_t m0 = r0; m0 < r1; m0 += PREFILL_ROW_STEP) {
         const int64_t rows = r1 - m0 < PREFILL_ROW_STEP ? r1 - m0 : PREFILL_ROW_STEP;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t t = step * p, pair = t + j->second < j->tiles ? 2 : 1;
             const bf16 *w0 = widened + 2 * (p - p0) * tile_elems;
-            prefill_rows(j, m0, rows, t, pair, w0, w0 + tile_elems, &configured);
+            if (rows == 32 && pair == 2) {
+                prefill_block(j, m0, t, w0, w0 + tile_elems, &pending, &configured);
+            } else {
+                prefill_flush(j, &pending);
+                prefill_rows(j, m0, rows, t, pair, w0, w0 + tile_elems, &configured);
+            }
         }
     }
+    prefill_flush(j, &pending);
     if (j->stream) _mm_sfence();
     _tile_release();
 }
