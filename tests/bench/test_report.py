@@ -97,6 +97,29 @@ def test_slo_verdicts_carry_the_p99_interval() -> None:
     assert not any("their maximum" in w for w in many["warnings"])
 
 
+def test_prompts_the_server_counted_longer_than_planned_are_flagged() -> None:
+    exact, records = constructed_result()  # the server counted the 10 tokens planned
+    assert not any("prompt tokens" in w for w in exact["warnings"])
+    for r in records:
+        r.input_tokens = 11  # 10% over: what an approximate tokenizer's prompts do on a real server
+    settings = BenchSettings(
+        target=TargetConfig("http://127.0.0.1:1", "m"),
+        arrival=ArrivalSpec("poisson", 5.0),
+        control=RunControl(num_requests=301, warmup_s=5.0),
+        slo=SloTargets(),
+        workload=None,
+        tokenizer="approx",
+        window_s=10.0,
+    )
+    health = ClientHealth(5.0, 5.0, 5.0, 0.05, 0.001, 0.002, False, [])
+    outcome = RunOutcome(records, "complete", None, "m", "2026-01-01T00:00:00+00:00", 61.0, health, 60.0)
+    drifted = build_result(outcome, settings, None, None)
+    warning = next(w for w in drifted["warnings"] if "prompt tokens" in w)
+    assert "11 prompt tokens a request on average against 10 planned" in warning
+    assert "--tokenizer" in warning
+    assert "11 prompt tokens" in format_summary(drifted)
+
+
 def test_conservative_capacity_needs_the_upper_ends_within_the_slos() -> None:
     few, _ = constructed_result()  # P99s pass, but 275 requests give them no upper end
     many, _ = constructed_result(n=1000)

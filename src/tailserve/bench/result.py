@@ -40,6 +40,7 @@ SCHEMA_VERSION = 1
 # An output this much shorter than max_tokens means the server stopped early (EOS not ignored).
 _SHORT_OUTPUT = 0.9
 _ALERT_OVER_TARGET = 1.5
+PROMPT_DRIFT = 0.05  # warn when the served prompt lengths are off the planned ones by more than this share
 # Below this many values, nearest-rank P99 is the largest one (ceil(0.99 n) = n exactly when n < 100).
 SMALL_SAMPLE = 100
 
@@ -330,10 +331,34 @@ def _warnings(result: dict[str, Any], records: list[RequestRecord], settings: Be
         out.append(
             "the server reported no usage: token counts are local estimates " + str(length["token_sources"])
         )
+    off = _prompt_length_drift(records)
+    if off is not None:
+        served, planned = off
+        hint = (
+            "the prompts were sized by an approximate tokenizer: pass --tokenizer (the model's) for exact lengths"
+            if settings.tokenizer == "approx"
+            else f"the server's tokenizer is not {settings.tokenizer}'s"
+        )
+        out.append(
+            f"the server counted {served:.0f} prompt tokens a request on average against {planned:.0f} "
+            f"planned: {hint}"
+        )
     fatal = {k: v for k, v in result["errors"]["all_phases"].items() if k in FATAL_ERROR_KINDS}
     if fatal:
         out.append(f"requests failed in ways that point at the setup, not the load: {fatal}")
     return out
+
+
+def _prompt_length_drift(records: list[RequestRecord]) -> tuple[float, float] | None:
+    """(mean prompt tokens the server counted, mean planned) over the measured successful requests,
+    where the two differ by more than PROMPT_DRIFT of the planned (a prefill figure at "512 tokens"
+    that ran at 556 misleads); None otherwise, or with no server counts (they equal the plan then)."""
+    ok = [r for r in records if r.phase == "measured" and r.ok and r.planned_input_tokens > 0]
+    if not ok:
+        return None
+    served = sum(r.input_tokens for r in ok) / len(ok)
+    planned = sum(r.planned_input_tokens for r in ok) / len(ok)
+    return (served, planned) if abs(served - planned) > PROMPT_DRIFT * planned else None
 
 
 def _small_sample_warnings(metrics: dict[str, Any]) -> list[str]:
