@@ -162,8 +162,11 @@ def test_prompt_rows_on_prepacked_weights_are_within_bf16_of_the_plain_gemm() ->
         )
 
 
-@pytest.mark.parametrize("n_out", [96, 80])  # 80: an odd count of 16-output tiles (the kernel pairs them)
-def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
+# 80: an odd count of 16-output tiles (the kernel pairs them); k 1,536 (the down projection's): more
+# groups than a 2 x 2 block has rows, so some groups' products carry no rows of the previous block's
+# epilogue (prefill_block spreads it over them).
+@pytest.mark.parametrize(("n_out", "k"), [(96, 576), (80, 576), (96, 1536)])
+def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int, k: int) -> None:
     """The AMX int4 prompt-row kernel (what the int4 plan runs prompt rows on where AMX is) sums all of
     K per tile in one fixed order: a row's bits are the same in any slice of any batch, under its
     work split by pairs of tiles alone (below 1,024 rows) and by row blocks too (from 1,024 on)."""
@@ -171,10 +174,10 @@ def test_int4_prompt_rows_ignore_their_batch_bit_for_bit(n_out: int) -> None:
         pytest.skip(
             f"needs AMX (Intel Sapphire Rapids or later); this CPU's tile ISA: {cpu_kernels.tile_isa()}"
         )
-    t = _blocks("Q4_1", n_out, 576, seed=11)
+    t = _blocks("Q4_1", n_out, k, seed=11)
     source = WeightSource(dequantize_tensor(t), int4_from_blocks(t))
     layer = Linear(source, None, "int4", "int4")
-    x = torch.randn(1300, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    x = torch.randn(1300, k, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     full = layer.prefill_matmul(x)
     _assert_within_bf16(full, x.float() @ source.dense.to(torch.bfloat16).float().T)
     for start, rows in (*SLICES, (0, 1023), (276, 1024), (37, 1111)):
