@@ -31,6 +31,23 @@ from tailserve.cli import main
 from tests.bench.conftest import CHROMIUM, make_record, render_in_chromium
 
 
+def _settings() -> BenchSettings:
+    return BenchSettings(
+        target=TargetConfig("http://127.0.0.1:1", "m", api_key="sk-secret"),
+        arrival=ArrivalSpec("poisson", 5.0),
+        control=RunControl(num_requests=301, warmup_s=5.0),
+        slo=SloTargets(),
+        workload=None,
+        tokenizer="approx",
+        window_s=10.0,
+    )
+
+
+def _outcome(records: list[RequestRecord]) -> RunOutcome:
+    health = ClientHealth(5.0, 5.0, 5.0, 0.05, 0.001, 0.002, False, [])
+    return RunOutcome(records, "complete", None, "m", "2026-01-01T00:00:00+00:00", 61.0, health, 60.0)
+
+
 def constructed_result(
     scale: float = 1.0, capacity: bool = False, n: int = 300
 ) -> tuple[dict, list[RequestRecord]]:
@@ -41,17 +58,7 @@ def constructed_result(
         for i in range(n)
     ]
     records.append(make_record(n, n * 0.2, 0, 0, 0, error="rate_limited"))
-    settings = BenchSettings(
-        target=TargetConfig("http://127.0.0.1:1", "m", api_key="sk-secret"),
-        arrival=ArrivalSpec("poisson", 5.0),
-        control=RunControl(num_requests=301, warmup_s=5.0),
-        slo=SloTargets(),
-        workload=None,
-        tokenizer="approx",
-        window_s=10.0,
-    )
-    health = ClientHealth(5.0, 5.0, 5.0, 0.05, 0.001, 0.002, False, [])
-    outcome = RunOutcome(records, "complete", None, "m", "2026-01-01T00:00:00+00:00", 61.0, health, 60.0)
+    settings, outcome = _settings(), _outcome(records)
     points = [(10, 0.05), (10, 0.052), (200, 0.4), (200, 0.41)]
     calibration = Calibration([10, 200], 2, 1, points, fit_line(points), 0)
     sample = {"at_s": 0.0, "rss_bytes": 200.0 * 2**20, "kv_blocks_used": 0.0}
@@ -102,18 +109,7 @@ def test_prompts_the_server_counted_longer_than_planned_are_flagged() -> None:
     assert not any("prompt tokens" in w for w in exact["warnings"])
     for r in records:
         r.input_tokens = 11  # 10% over: what an approximate tokenizer's prompts do on a real server
-    settings = BenchSettings(
-        target=TargetConfig("http://127.0.0.1:1", "m"),
-        arrival=ArrivalSpec("poisson", 5.0),
-        control=RunControl(num_requests=301, warmup_s=5.0),
-        slo=SloTargets(),
-        workload=None,
-        tokenizer="approx",
-        window_s=10.0,
-    )
-    health = ClientHealth(5.0, 5.0, 5.0, 0.05, 0.001, 0.002, False, [])
-    outcome = RunOutcome(records, "complete", None, "m", "2026-01-01T00:00:00+00:00", 61.0, health, 60.0)
-    drifted = build_result(outcome, settings, None, None)
+    drifted = build_result(_outcome(records), _settings(), None, None)
     warning = next(w for w in drifted["warnings"] if "prompt tokens" in w)
     assert "11 prompt tokens a request on average against 10 planned" in warning
     assert "--tokenizer" in warning
