@@ -72,16 +72,32 @@ def test_the_lane_waits_while_a_stream_has_no_room_for_a_chunk() -> None:
     _prompt(roomy, arrival=NOW)
     assert _lane_tokens(roomy) > 0
 
-    tight = _scheduler()  # 99 gaps at 29.9 ms, 1 to go: room 3.0 - 2.96 - 0.01 = 30 ms < 67.5 ms
-    _stream(tight, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    # 99 gaps at 31.5 ms, 10 to go: room 3.27 - 3.1185 - 0.1 = 51.5 ms; its 10 steps beside the
+    # chunk (it ends before the chunk does) would cost it 10 x 20 ms x (1 - 10 / 20) = 100 ms.
+    tight = _scheduler()
+    _stream(tight, gaps_done=99, seconds_so_far=99 * 0.0315, gaps_left=10)
     _prompt(tight, arrival=NOW)
     plan = tight.step_plan(NOW, lane=True)
     assert plan.num_prefill_tokens == 0 and plan.num_decodes == 1  # the decode runs on all threads
 
     unpaced = _scheduler(pace=False)  # --no-pace-lane: the lane runs whatever the room
-    _stream(unpaced, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    _stream(unpaced, gaps_done=99, seconds_so_far=99 * 0.0315, gaps_left=10)
     _prompt(unpaced, arrival=NOW)
     assert _lane_tokens(unpaced) > 0
+
+
+def test_a_stream_about_to_end_is_charged_only_its_own_steps_beside_the_chunk() -> None:
+    # 99 gaps at 29.9 ms, 1 to go: room 3.0 - 2.96 - 0.01 = 30 ms. The whole chunk (0.53 s) would
+    # cost a stream beside it all along 264 ms, but this one takes one step beside it: 10 ms.
+    scheduler = _scheduler()
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    _prompt(scheduler, arrival=NOW)
+    assert _lane_tokens(scheduler) > 0
+    # With 4 gaps to go its room is 30 + 3 x 20 = 90 ms and its loss 4 x 10 = 40 ms: the lane goes.
+    roomy = _scheduler()
+    _stream(roomy, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=4)
+    _prompt(roomy, arrival=NOW)
+    assert _lane_tokens(roomy) > 0
 
 
 def test_a_stream_that_misses_anyway_does_not_hold_the_lane_back() -> None:
@@ -93,7 +109,7 @@ def test_a_stream_that_misses_anyway_does_not_hold_the_lane_back() -> None:
 
 def test_a_prompt_whose_ttft_deadline_needs_the_lane_gets_it() -> None:
     scheduler = _scheduler()
-    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0315, gaps_left=10)  # no room, as above
     # 1,000 tokens take 0.53 s on the lane; arrived 1.4 s ago against a 2 s target, after one more
     # chunk's wait it would end past its deadline.
     _prompt(scheduler, arrival=NOW - 1.4)

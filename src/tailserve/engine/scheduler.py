@@ -327,7 +327,8 @@ class Scheduler:
 
         A lane chunk of C seconds slows the decodes beside it from their all-threads step to their
         step beside the lane (`DecodeTimer`): a stream loses C x (1 - all / beside) against decoding
-        on all threads. Its room is its target times all its gaps, less the time taken so far, less
+        on all threads, or only its own steps' share where it ends first (n gaps left: n x beside
+        in place of C). Its room is its target times all its gaps, less the time taken so far, less
         its expected remaining gaps at the all-threads step: the lane goes when every stream's room
         covers the loss. A stream predicted to miss even without the chunk (no room) holds nothing
         back, as at admission. The rule gives way to the first prompt in order whose TTFT deadline
@@ -354,13 +355,15 @@ class Scheduler:
         beside_s = self.decode_timer.estimate_s(rows, context, True)
         if all_s is None or beside_s is None or beside_s <= all_s:
             return False
-        loss_s = chunk_s * (1.0 - all_s / beside_s)
+        slower = 1.0 - all_s / beside_s
         for r in decodes:
             if r.timings.first_token is None:
                 continue
             tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
-            room = stream_room_s(r, tpot, now, self._steps_left(r), min(all_s, tpot))
-            if 0 <= room < loss_s:
+            left = self._steps_left(r)
+            room = stream_room_s(r, tpot, now, left, min(all_s, tpot))
+            # A stream that ends during the chunk loses only its own steps beside it.
+            if 0 <= room < min(chunk_s, left * beside_s) * slower:
                 return True
         return False
 
