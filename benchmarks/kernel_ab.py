@@ -10,22 +10,28 @@ head size 64, 16-slot blocks in shuffled order; the rows at --start onward over 
 to them, random q/k/v) and says whether both builds give the same bits. `--decode` times a decode
 step's exact kernels instead (`ts_q4_matmul` on the 30 layers, then `ts_q8_matmul` on the Q8_0 LM
 head, 576->49,152, apart) at a few rows, and first checks both builds give the same bits on every
-one. Needs AMX. Never beside another measurement.
+one. `--decode-attention` times a decode step's attention (`ts_paged_decode_attention`, the 30
+layers' own K/V pools in shuffled 16-slot blocks, --seqs sequences of --keys keys each) and first
+checks that each build is within bf16 of a float64 softmax attention (their bits may differ: the
+segmented kernel rounds in another order). Needs AMX. Never beside another measurement.
 
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 2   # ~30 s
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --attention --rows 256 512 1600
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 1 --decode --rows 1 2 4 8
+    .venv/bin/python benchmarks/kernel_ab.py --base b6a703b --decode-attention --seqs 1 2 3 --keys 2000
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import statistics
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -51,6 +57,7 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
     lib.ts_paged_prompt_attention.argtypes = [_P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, ctypes.c_float]
     lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     lib.ts_q8_matmul.argtypes = [_P, _I, _I, _P, _P, _I, _P]
+    lib.ts_paged_decode_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, *[_I] * 5, ctypes.c_float]
     return lib
 
 
@@ -277,6 +284,97 @@ def decode_ab(libs: dict[str, ctypes.CDLL], rows_list: Sequence[int], repeats: i
         )
 
 
+@dataclass(frozen=True)
+class DecodeContexts:
+    """A decode step's attention inputs: per layer its own K and V pool (so every layer's keys are
+    cold, as in a step), the sequences' block tables over them (shuffled), lengths and queries."""
+
+    pools: list[tuple[torch.Tensor, torch.Tensor]]
+    tables: torch.Tensor  # int64 [seqs, blocks per sequence]
+    lens: torch.Tensor  # int64 [seqs]
+    q: torch.Tensor  # bf16 [seqs, HEADS, HEAD_DIM]
+
+
+def decode_contexts(seqs: int, keys: int) -> DecodeContexts:
+    """`seqs` sequences of `keys` keys each, random q/k/v (q and so the scores x2: a peaked softmax)."""
+    g = torch.Generator().manual_seed(seqs * 7919 + keys)
+    width = -(-keys // BLOCK)
+    slots = seqs * width * BLOCK
+    k = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    v = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(seqs * width, generator=g).view(seqs, width).contiguous()
+    q = (torch.randn(seqs, HEADS, HEAD_DIM, generator=g) * 2).to(torch.bfloat16)
+    pools = [(k.clone(), v.clone()) for _ in range(LAYERS)]
+    return DecodeContexts(pools, tables, torch.full((seqs,), keys, dtype=torch.int64), q)
+
+
+def decode_attention_s(
+    lib: ctypes.CDLL, ctx: DecodeContexts, out: torch.Tensor, layers: int = LAYERS
+) -> float:
+    """Seconds of the first `layers` layers' decode attention (each layer's output into out)."""
+    seqs, width = ctx.tables.shape
+    start = time.perf_counter()
+    for k, v in ctx.pools[:layers]:
+        lib.ts_paged_decode_attention(
+            ctx.q.data_ptr(), HEADS * HEAD_DIM, k.data_ptr(), v.data_ptr(), ctx.tables.data_ptr(), width,
+            ctx.lens.data_ptr(), out.data_ptr(), seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM**-0.5,
+        )  # fmt: skip
+    return time.perf_counter() - start
+
+
+def decode_attention_error(ctx: DecodeContexts, out: torch.Tensor) -> float:
+    """The worst element's error over the bf16 bound (|ref| 2^-8 + max |ref| 2^-12, as the kernel
+    tests allow) against a float64 softmax attention of layer 0: at most 1 passes."""
+    k, v = ctx.pools[0]
+    per_head = torch.arange(HEADS) // (HEADS // KV_HEADS)
+    worst = 0.0
+    for s in range(ctx.tables.shape[0]):
+        n = int(ctx.lens[s])
+        rows = (ctx.tables[s, :, None] * BLOCK + torch.arange(BLOCK)).flatten()[:n]
+        keys, values = k[rows][:, per_head].double(), v[rows][:, per_head].double()
+        scores = torch.einsum("hd,nhd->hn", ctx.q[s].double(), keys) * HEAD_DIM**-0.5
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+        bound = want.abs() * 2**-8 + want.abs().max() * 2**-12
+        worst = max(worst, float(((out[s].double() - want).abs() / bound).max()))
+    return worst
+
+
+def decode_attention_ab(
+    libs: dict[str, ctypes.CDLL],
+    base: str,
+    seq_counts: Sequence[int],
+    key_counts: Sequence[int],
+    repeats: int,
+) -> None:
+    """A table row per key and sequence count: the 30 layers' decode attention, best and median of
+    each build, once each is seen within bf16 of float64 on layer 0."""
+    print(
+        f"\n| sequences x keys | {base} ms best / median | HEAD ms best / median | HEAD / {base} best / median "
+        f"| error / bf16 bound {base} / HEAD | same bits |\n| ---: | ---: | ---: | ---: | ---: | --- |"
+    )
+    for keys, seqs in itertools.product(key_counts, seq_counts):
+        ctx = decode_contexts(seqs, keys)
+        outs = {name: torch.zeros(seqs, HEADS, HEAD_DIM, dtype=torch.bfloat16) for name in libs}
+        errors: dict[str, float] = {}
+        for name, lib in libs.items():
+            decode_attention_s(lib, ctx, outs[name], layers=1)
+            errors[name] = decode_attention_error(ctx, outs[name])
+            if errors[name] > 1:
+                raise SystemExit(f"{name}: {seqs} x {keys} keys off a float64 attention by more than bf16")
+        same = torch.equal(outs[base].view(torch.int16), outs["HEAD"].view(torch.int16))
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for r in range(repeats):
+            for name in list(libs) if r % 2 else list(libs)[::-1]:
+                times[name].append(1000 * decode_attention_s(libs[name], ctx, outs[name]))
+        b, h = times[base], times["HEAD"]
+        print(
+            f"| {seqs} x {keys} | {min(b):.2f} / {statistics.median(b):.2f} | {min(h):.2f} / {statistics.median(h):.2f} | "
+            f"{min(h) / min(b):.3f} / {statistics.median(h) / statistics.median(b):.3f} | "
+            f"{errors[base]:.2f} / {errors['HEAD']:.2f} | {'yes' if same else 'no'} |",
+            flush=True,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit whose kernels to compare against")
@@ -290,6 +388,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="--attention: the first row's position")
     parser.add_argument(
         "--decode", action="store_true", help="the decode kernels (ts_q4_matmul, ts_q8_matmul)"
+    )
+    parser.add_argument(
+        "--decode-attention", action="store_true", help="a decode step's attention, 30 layers"
+    )
+    parser.add_argument(
+        "--seqs", type=int, nargs="+", default=[1, 2, 3], help="--decode-attention: sequences"
+    )
+    parser.add_argument(
+        "--keys", type=int, nargs="+", default=[2000], help="--decode-attention: keys a sequence"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -308,11 +415,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" --attention --start {args.start}" if args.attention else ""
         )
         flags += " --decode" if args.decode else ""
+        if args.decode_attention:
+            flags += f" --decode-attention --seqs {' '.join(map(str, args.seqs))} --keys {' '.join(map(str, args.keys))}"
         print(
             f"# `benchmarks/kernel_ab.py --base {args.base} --threads {args.threads}{flags}` at {stamp} on {machine_line()}, commit {git_commit()}"
         )
         if args.decode:
             decode_ab(libs, args.rows, args.repeats)
+            return 0
+        if args.decode_attention:
+            decode_attention_ab(libs, args.base, args.seqs, args.keys, args.repeats)
             return 0
         if args.attention:
             compare_attention(libs, args.base, args.rows, args.start, args.repeats)

@@ -712,6 +712,67 @@ def test_the_fused_forward_is_the_same_at_two_threads(
         assert torch.equal(a, b)
 
 
+def _decode_attention(
+    lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+    lens: list[int], bs: int,
+) -> torch.Tensor:  # fmt: skip
+    """ts_paged_decode_attention: one query q[s] [heads, dim] per sequence over its paged context."""
+    seqs, heads, dim = q.shape
+    out = torch.empty_like(q)
+    seq_lens = torch.tensor(lens)
+    lib.ts_paged_decode_attention(
+        ptr(q), heads * dim, ptr(k_cache), ptr(v_cache), ptr(tables), tables.stride(0), ptr(seq_lens), ptr(out),
+        seqs, heads, k_cache.shape[1], dim, bs, dim**-0.5,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 64), (4, 2, 48)])
+def test_a_long_context_decodes_to_the_same_bits_at_any_thread_count_and_in_any_batch(
+    lib: ctypes.CDLL, threads: Callable[[int], int], heads: int, kv_heads: int, dim: int
+) -> None:
+    """A 1,500-key context (its keys split across the threads in segments, the last part-filled):
+    alone at 1 thread, at 1-3 threads, and between sequences of 1, 300, 700 and 2,100 keys in either
+    order, its output is the same bits, and within bf16 of a float64 softmax attention (as are the
+    others'). With AMX, 9 heads take the tile path; 32 heads the AVX-512 one, head size 48 the
+    portable loops. Slots no sequence reaches hold NaN, as a reused pool may hold anything there."""
+    cpu_kernels.amx()  # the tile path is on wherever it can run
+    bs, long_len, others = 16, 1500, [300, 1, 2100, 700]
+    lens = [long_len, *others]
+    widths = [-(-n // bs) for n in lens]
+    g = torch.Generator().manual_seed(heads + dim)
+    num_blocks = sum(widths) + 2
+    k_cache = (torch.randn(num_blocks * bs, kv_heads, dim, generator=g) * 2).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, dim, generator=g).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.int64)  # padded, as the runner builds them
+    unreached = torch.ones(num_blocks * bs, dtype=torch.bool)
+    for s, (n, table) in enumerate(zip(lens, torch.split(order[: sum(widths)], widths), strict=True)):
+        tables[s, : len(table)] = table
+        unreached[(table[:, None] * bs + torch.arange(bs)).flatten()[:n]] = False
+    k_cache[unreached] = float("nan")
+    v_cache[unreached] = float("nan")
+    q = _bf(len(lens), heads, dim, seed=heads * dim, scale=2.0)
+
+    assert threads(1) == 1
+    alone = _decode_attention(lib, q[:1], k_cache, v_cache, tables[:1], lens[:1], bs)[0]
+    first, last = [0, 1, 2, 3, 4], [1, 2, 3, 4, 0]  # the long context first, then last
+    for count in (1, 2, 3):
+        assert threads(count) == count
+        for rows in (first, last):
+            out = _decode_attention(lib, q[rows], k_cache, v_cache, tables[rows], [lens[r] for r in rows], bs)
+            assert torch.equal(out[rows.index(0)], alone), f"{count} threads, sequences {rows}"
+
+    for s, n in enumerate(lens):
+        keys = gather_blocks(k_cache, tables[s, : widths[s]], bs)[:n].double()  # [n, kv_heads, dim]
+        values = gather_blocks(v_cache, tables[s, : widths[s]], bs)[:n].double()
+        per_head = torch.arange(heads) // (heads // kv_heads)
+        scores = torch.einsum("hd,nhd->hn", q[s].double(), keys[:, per_head]) * dim**-0.5
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), values[:, per_head])
+        got = alone if s == 0 else out[last.index(s)]  # out: the last batch run above
+        _assert_within_bf16(got, want)
+
+
 @pytest.mark.usefixtures("fresh_kernels")
 def test_without_openmp_the_kernels_build_single_threaded(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -46,13 +46,14 @@ int ts_abi_version(void) { return 6; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
- * A job is n chunks (output tiles or sequences), claimed one at a time from a shared counter by the
- * threads of an OpenMP team, so a thread slowed by a busy or stolen core takes fewer. Each chunk
- * writes its own outputs: results are the same bits at any thread count. The team is torch's own:
- * torch loads its libgomp first and this library binds to the loaded copy (same soname), so torch's
- * ops and these kernels share one set of threads instead of two pools spinning against each other
- * on the same cores. Built without OpenMP (no libgomp for the compiler), every job runs on the
- * caller's thread. */
+ * A job is n chunks (output tiles, rows, or a sequence's segment of keys), claimed one at a time
+ * from a shared counter by the threads of an OpenMP team, so a thread slowed by a busy or stolen
+ * core takes fewer. Each chunk writes its own outputs (decode attention's segments their own
+ * partials, combined in a fixed order): results are the same bits at any thread count. The team is
+ * torch's own: torch loads its libgomp first and this library binds to the loaded copy (same
+ * soname), so torch's ops and these kernels share one set of threads instead of two pools spinning
+ * against each other on the same cores. Built without OpenMP (no libgomp for the compiler), every
+ * job runs on the caller's thread. */
 typedef void (*chunk_fn)(const void *job, int64_t chunk);
 
 /* Threads a kernel uses, the caller's included (ts_set_threads): the calling thread's own, so two
@@ -383,58 +384,82 @@ static inline __attribute__((always_inline)) void axpy_group(float *acc, const b
     }
 }
 
+/* --- Decode attention, split into key segments ---------------------------------------------------
+ *
+ * A sequence's keys are cut into segments of DA_SEGMENT_KEYS at absolute positions 0, 256, 512, ...,
+ * and each (sequence, segment) is one work item for the threads, so one long sequence spreads over
+ * every thread instead of keeping one busy while the others idle. An item leaves its segment's
+ * partial softmax, per query head h (a segment's `partial`, heads * (dim + 2) floats):
+ *   partial[h]                  m, the largest of its scores
+ *   partial[heads + h]          l, the sum of e^(s - m) over its keys
+ *   partial[2 heads + h dim ..] acc, the sum of e^(s - m) v over its keys (dim floats)
+ * and the sequence's segments are combined in segment order (combine_segments). An item's arithmetic
+ * depends on its keys and q alone and the order is fixed, so the bits are the same at any thread
+ * count and beside any other sequences. A multiple of 16 (the AMX scores' tiles of 16 keys); 256
+ * cuts a 1,000-2,000-key chat context into 4-8 items, enough to even out 2-3 threads, while an
+ * item's fixed cost (q converted, a partial written, the combine) stays small next to reading its
+ * keys and values (192 KB at 3 kv heads of 64). */
+#define DA_SEGMENT_KEYS 256
+
 #if defined(__AVX512F__)
-/* Scores of the GROUP query heads of one kv head over its paged keys, q vectors held in registers. */
+/* Scores of the GROUP query heads of one kv head over its paged keys k0 .. k1 - 1 (key t's at
+ * scores[j * score_stride + t - k0]), q vectors held in registers. */
 static inline __attribute__((always_inline)) void qk_avx512(
-    const float *qf, const bf16 *k_cache, const int64_t *table, int64_t len, int64_t kv_width,
-    int64_t block_size, float *scores, int64_t max_len, int64_t group, int64_t dim) {
+    const float *qf, const bf16 *k_cache, const int64_t *table, int64_t k0, int64_t k1, int64_t kv_width,
+    int64_t block_size, float *scores, int64_t score_stride, int64_t group, int64_t dim) {
     __m512 qv[4][8];
     const int64_t n = dim / 16;
     for (int64_t j = 0; j < group; j++)
         for (int64_t v = 0; v < n; v++) qv[j][v] = _mm512_loadu_ps(qf + j * dim + 16 * v);
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const bf16 *block = k_cache + table[t0 / block_size] * block_size * kv_width;
-        const int64_t m = len - t0 < block_size ? len - t0 : block_size;
+    for (int64_t t0 = k0, m; t0 < k1; t0 += m) {
+        const int64_t r0 = t0 % block_size;
+        const bf16 *rows = k_cache + (table[t0 / block_size] * block_size + r0) * kv_width;
+        float *s = scores + (t0 - k0);
+        m = block_size - r0 < k1 - t0 ? block_size - r0 : k1 - t0;
         for (int64_t t = 0; t < m; t++) {
-            const bf16 *k = block + t * kv_width;
+            const bf16 *k = rows + t * kv_width;
             __m512 kv[8];
             for (int64_t v = 0; v < n; v++) kv[v] = load16_bf16(k + 16 * v);
             for (int64_t j = 0; j < group; j++) {
                 __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
                 for (int64_t v = 1; v < n; v++) acc = _mm512_fmadd_ps(qv[j][v], kv[v], acc);
-                scores[j * max_len + t0 + t] = _mm512_reduce_add_ps(acc);
+                s[j * score_stride + t] = _mm512_reduce_add_ps(acc);
             }
         }
     }
 }
 
-/* out = sum_t p[t] v[t] for the GROUP query heads of one kv head, accumulators in registers. The
- * head's value rows two blocks on are asked for into L1 at each block: a decode step reads every
- * sequence's cache from memory, from blocks wherever the pool put them, and the values' loads were
- * the decode attention's stalls (2 sequences x 30 layers, random blocks, 1 thread, 2026-12-05:
- * 1,000 keys 0.88-0.94x, 2,000 keys 0.68-0.74x; keys prefetched too in the AMX scores: no better). */
+/* acc_out = sum_t p[t] v[t] over keys k0 .. k1 - 1 (key t's weight for head j at
+ * p[j * p_head_stride + (t - k0) * p_key_stride]) for the GROUP query heads of one kv head,
+ * accumulators in registers. The head's value rows two blocks on (inside the segment) are asked for
+ * into L1 at each block: a decode step reads every sequence's cache from memory, from blocks
+ * wherever the pool put them, and the values' loads were the decode attention's stalls (2 sequences
+ * x 30 layers, random blocks, 1 thread, 2026-12-05: 1,000 keys 0.88-0.94x, 2,000 keys 0.68-0.74x;
+ * keys prefetched too in the AMX scores: no better). */
 static inline __attribute__((always_inline)) void pv_avx512(
-    const float *p, const bf16 *v_cache, const int64_t *table, int64_t len, int64_t kv_width,
+    const float *p, const bf16 *v_cache, const int64_t *table, int64_t k0, int64_t k1, int64_t kv_width,
     int64_t block_size, int64_t p_head_stride, int64_t p_key_stride, float *acc_out, int64_t group, int64_t dim) {
     __m512 acc[4][8];
     const int64_t n = dim / 16;
     for (int64_t j = 0; j < group; j++)
         for (int64_t x = 0; x < n; x++) acc[j][x] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const bf16 *block = v_cache + table[t0 / block_size] * block_size * kv_width;
-        const int64_t m = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + 2 * block_size < len) { /* this head's values two blocks on */
-            const int64_t ahead = t0 + 2 * block_size, rows = len - ahead < block_size ? len - ahead : block_size;
+    for (int64_t t0 = k0, m; t0 < k1; t0 += m) {
+        const int64_t r0 = t0 % block_size, ahead = t0 - r0 + 2 * block_size;
+        const bf16 *rows = v_cache + (table[t0 / block_size] * block_size + r0) * kv_width;
+        const float *pt = p + (t0 - k0) * p_key_stride;
+        m = block_size - r0 < k1 - t0 ? block_size - r0 : k1 - t0;
+        if (ahead < k1) { /* this head's values two blocks on */
+            const int64_t n_ahead = k1 - ahead < block_size ? k1 - ahead : block_size;
             const bf16 *next = v_cache + table[ahead / block_size] * block_size * kv_width;
-            for (int64_t t = 0; t < rows; t++)
+            for (int64_t t = 0; t < n_ahead; t++)
                 for (int64_t i = 0; i < dim; i += 32) __builtin_prefetch(next + t * kv_width + i, 0, 3);
         }
         for (int64_t t = 0; t < m; t++) {
-            const bf16 *vr = block + t * kv_width;
+            const bf16 *vr = rows + t * kv_width;
             __m512 vv[8];
             for (int64_t x = 0; x < n; x++) vv[x] = load16_bf16(vr + 16 * x);
             for (int64_t j = 0; j < group; j++) {
-                const __m512 pj = _mm512_set1_ps(p[j * p_head_stride + (t0 + t) * p_key_stride]);
+                const __m512 pj = _mm512_set1_ps(pt[j * p_head_stride + t * p_key_stride]);
                 for (int64_t x = 0; x < n; x++) acc[j][x] = _mm512_fmadd_ps(pj, vv[x], acc[j][x]);
             }
         }
@@ -444,13 +469,20 @@ static inline __attribute__((always_inline)) void pv_avx512(
 }
 #endif
 
-/* One sequence of ts_paged_decode_attention; inlined per head_dim so the row loops unroll. */
-static inline __attribute__((always_inline)) void attend_one(
-    const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table, int64_t len, bf16 *out,
-    int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, float *scores,
-    int64_t max_len, float *qf, float *acc) {
-    const int64_t group = heads / kv_heads;
-    const int64_t kv_width = kv_heads * dim;
+/* Cache row of key t (its first kv head) through the sequence's block table. */
+static inline const bf16 *cache_row(const bf16 *cache, const int64_t *table, int64_t t, int64_t block_size,
+                                    int64_t kv_width) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * kv_width;
+}
+
+/* The partial (see DA_SEGMENT_KEYS) of keys k0 .. k1 - 1 of one sequence, scores [heads, DA_SEGMENT_KEYS]
+ * on AVX-512 dot products or portable loops; inlined per head_dim so the row loops unroll. */
+static inline __attribute__((always_inline)) void attend_segment(
+    const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table, int64_t k0, int64_t k1,
+    int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, float *scores, float *qf,
+    float *partial) {
+    const int64_t group = heads / kv_heads, kv_width = kv_heads * dim, n = k1 - k0, stride = DA_SEGMENT_KEYS;
+    float *acc = partial + 2 * heads;
     for (int64_t i = 0; i < heads * dim; i++) qf[i] = bf16_to_f32(q[i]) * scale;
 #if defined(__AVX512F__)
     const int fast = dim % 16 == 0 && dim <= 128 && group <= 4;
@@ -461,62 +493,84 @@ static inline __attribute__((always_inline)) void attend_one(
 #if defined(__AVX512F__)
         for (int64_t g = 0; g < kv_heads; g++) {
             const float *qg = qf + g * group * dim;
-            float *sg = scores + g * group * max_len;
+            const bf16 *kg = k_cache + g * dim;
+            float *sg = scores + g * group * stride;
             switch (group) { /* a constant group size lets the q registers stay registers */
-            case 1: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 1, dim); break;
-            case 2: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 2, dim); break;
-            case 3: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 3, dim); break;
-            default: qk_avx512(qg, k_cache + g * dim, table, len, kv_width, block_size, sg, max_len, 4, dim);
+            case 1: qk_avx512(qg, kg, table, k0, k1, kv_width, block_size, sg, stride, 1, dim); break;
+            case 2: qk_avx512(qg, kg, table, k0, k1, kv_width, block_size, sg, stride, 2, dim); break;
+            case 3: qk_avx512(qg, kg, table, k0, k1, kv_width, block_size, sg, stride, 3, dim); break;
+            default: qk_avx512(qg, kg, table, k0, k1, kv_width, block_size, sg, stride, 4, dim);
             }
         }
 #endif
     } else {
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-            const bf16 *block = k_cache + table[t0 / block_size] * block_size * kv_width;
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t g = 0; g < kv_heads; g++)
-                    dot_group(qf + g * group * dim, block + t * kv_width + g * dim, group, dim,
-                              scores + g * group * max_len + t0 + t, max_len);
+        for (int64_t t = k0; t < k1; t++) {
+            const bf16 *row = cache_row(k_cache, table, t, block_size, kv_width);
+            for (int64_t g = 0; g < kv_heads; g++)
+                dot_group(qf + g * group * dim, row + g * dim, group, dim, scores + g * group * stride + t - k0,
+                          stride);
         }
     }
     for (int64_t h = 0; h < heads; h++) {
-        float *sc = scores + h * max_len;
+        float *sc = scores + h * stride;
         float top = -FLT_MAX;
-        for (int64_t t = 0; t < len; t++) top = sc[t] > top ? sc[t] : top;
+        for (int64_t t = 0; t < n; t++) top = sc[t] > top ? sc[t] : top;
         float sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < n; t++) {
             sc[t] = expf(sc[t] - top);
             sum += sc[t];
         }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) sc[t] *= inv;
+        partial[h] = top;
+        partial[heads + h] = sum;
     }
     if (fast) {
 #if defined(__AVX512F__)
         for (int64_t g = 0; g < kv_heads; g++) {
-            const float *pg = scores + g * group * max_len;
+            const float *pg = scores + g * group * stride;
+            const bf16 *vg = v_cache + g * dim;
             float *ag = acc + g * group * dim;
             switch (group) {
-            case 1: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 1, dim); break;
-            case 2: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 2, dim); break;
-            case 3: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 3, dim); break;
-            default: pv_avx512(pg, v_cache + g * dim, table, len, kv_width, block_size, max_len, 1, ag, 4, dim);
+            case 1: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, stride, 1, ag, 1, dim); break;
+            case 2: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, stride, 1, ag, 2, dim); break;
+            case 3: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, stride, 1, ag, 3, dim); break;
+            default: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, stride, 1, ag, 4, dim);
             }
         }
 #endif
     } else {
         memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-            const bf16 *block = v_cache + table[t0 / block_size] * block_size * kv_width;
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t g = 0; g < kv_heads; g++)
-                    axpy_group(acc + g * group * dim, block + t * kv_width + g * dim,
-                               scores + g * group * max_len + t0 + t, max_len, group, dim);
+        for (int64_t t = k0; t < k1; t++) {
+            const bf16 *row = cache_row(v_cache, table, t, block_size, kv_width);
+            for (int64_t g = 0; g < kv_heads; g++)
+                axpy_group(acc + g * group * dim, row + g * dim, scores + g * group * stride + t - k0, stride, group,
+                           dim);
         }
     }
-    for (int64_t i = 0; i < heads * dim; i++) out[i] = f32_to_bf16(acc[i]);
+}
+
+/* out (bf16 [heads, dim]) = one sequence's attention from its segments' partials (one after another,
+ * `segments` of them), taken in segment order: each rescaled by e^(m_i - m) to the largest maximum m,
+ * the sums l and the weighted values added up, then acc / l. One segment gives its acc / l as it is
+ * (e^0 = 1). The first partial's acc is overwritten. */
+static void combine_segments(float *partials, int64_t segments, int64_t heads, int64_t dim, bf16 *out) {
+    const int64_t stride = heads * (dim + 2);
+    for (int64_t h = 0; h < heads; h++) {
+        float top = -FLT_MAX;
+        for (int64_t i = 0; i < segments; i++) top = partials[i * stride + h] > top ? partials[i * stride + h] : top;
+        float *acc = partials + 2 * heads + h * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < segments; i++) {
+            const float *p = partials + i * stride, *a = p + 2 * heads + h * dim;
+            const float w = expf(p[h] - top);
+            sum += p[heads + h] * w;
+            if (i == 0)
+                for (int64_t x = 0; x < dim; x++) acc[x] *= w;
+            else
+                for (int64_t x = 0; x < dim; x++) acc[x] += a[x] * w;
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t x = 0; x < dim; x++) out[h * dim + x] = f32_to_bf16(acc[x] * inv);
+    }
 }
 
 /* --- Matmuls on bf16 tiles: int4 layer weights and the int8 LM head, exact to the file's blocks ---
@@ -751,36 +805,45 @@ static inline void amx_tile(const bf16 *x, int64_t k, const void *w, int q4, con
     }
 }
 
-/* Decode attention with the scores on AMX: per block of 16 keys, S^T = K q^T is one tile product
- * per kv head and 32 dims (A: 16 cache rows read in place, B: that head group's q, transposed into
- * the tile's pair layout, zeros elsewhere), all kv heads summed into one 16 keys x 16 heads tile,
- * so no horizontal sums. Scores are [keys][16] float32; softmax runs over all heads at once; values
- * stay on AVX-512 FMAs. Needs heads <= 16, dim % 32 == 0, block_size % 16 == 0 (1: it ran). */
-
-
-static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table,
-                          int64_t len, bf16 *out, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t block_size, float scale, float *scores, float *acc) {
+/* The partial (see DA_SEGMENT_KEYS) of keys k0 .. k1 - 1 of one sequence with the scores on AMX: per
+ * 16 keys, S^T = K q^T is one tile product per kv head and 32 dims (A: 16 cache rows read in place,
+ * B: that head group's q, transposed into the tile's pair layout in bq, zeros elsewhere), all kv
+ * heads summed into one 16 keys x 16 heads tile, so no horizontal sums. Scores are [keys][16]
+ * float32; the softmax runs over all heads at once; values stay on AVX-512 FMAs. Needs heads <= 16,
+ * dim % 32 == 0, block_size % 16 == 0 (1: it ran). bq: kv_heads * dim / 32 * 512 bf16, already
+ * holding this q's when bq_ready. */
+static int attend_segment_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *table,
+                              int64_t k0, int64_t k1, int64_t heads, int64_t kv_heads, int64_t dim,
+                              int64_t block_size, float scale, float *scores, bf16 *bq, int bq_ready,
+                              float *partial) {
     if (!amx_ready || heads > 16 || dim % 32 != 0 || dim > 256 || block_size % 16 != 0) return 0;
-    const int64_t group = heads / kv_heads, kv_width = kv_heads * dim, chunks = dim / 32;
-    bf16 *bq = (bf16 *)aligned_alloc(64, (size_t)(kv_heads * chunks * 512) * sizeof(bf16));
-    memset(bq, 0, (size_t)(kv_heads * chunks * 512) * sizeof(bf16));
-    for (int64_t g = 0; g < kv_heads; g++)
-        for (int64_t c = 0; c < chunks; c++)
-            for (int64_t i = 0; i < 16; i++)
-                for (int64_t j = 0; j < group; j++) {
-                    const int64_t h = g * group + j;
-                    bf16 *row = bq + ((g * chunks + c) * 16 + i) * 32;
-                    row[2 * h] = q[h * dim + c * 32 + 2 * i];
-                    row[2 * h + 1] = q[h * dim + c * 32 + 2 * i + 1];
-                }
+    const int64_t group = heads / kv_heads, kv_width = kv_heads * dim, chunks = dim / 32, n = k1 - k0;
+    if (!bq_ready) {
+        memset(bq, 0, (size_t)(kv_heads * chunks * 512) * sizeof(bf16));
+        for (int64_t g = 0; g < kv_heads; g++)
+            for (int64_t c = 0; c < chunks; c++)
+                for (int64_t i = 0; i < 16; i++)
+                    for (int64_t j = 0; j < group; j++) {
+                        const int64_t h = g * group + j;
+                        bf16 *row = bq + ((g * chunks + c) * 16 + i) * 32;
+                        row[2 * h] = q[h * dim + c * 32 + 2 * i];
+                        row[2 * h + 1] = q[h * dim + c * 32 + 2 * i + 1];
+                    }
+    }
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 3; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     load_tile_config(&cfg);
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const bf16 *keys = k_cache + (table[t0 / block_size] * block_size + t0 % block_size) * kv_width;
+    for (int64_t t0 = k0; t0 < k1; t0 += 16) { /* k0 % 16 == 0: 16 keys never cross a block */
+        const bf16 *keys = cache_row(k_cache, table, t0, block_size, kv_width);
+        /* The values of the segment's first two blocks, which pv_avx512 (asking two blocks ahead)
+         * never asks for: two rows a tile into L2, so they come while the scores are made. */
+        const int64_t first = k0 + (t0 - k0) / 8, last = k1 < k0 + 2 * block_size ? k1 : k0 + 2 * block_size;
+        for (int64_t t = first; t < first + 2 && t < last; t++) {
+            const bf16 *row = cache_row(v_cache, table, t, block_size, kv_width);
+            for (int64_t i = 0; i < kv_width; i += 32) __builtin_prefetch(row + i, 0, 2);
+        }
         _tile_zero(0);
         for (int64_t g = 0; g < kv_heads; g++)
             for (int64_t c = 0; c < chunks; c++) {
@@ -788,49 +851,42 @@ static int attend_one_amx(const bf16 *q, const bf16 *k_cache, const bf16 *v_cach
                 _tile_loadd(2, bq + (g * chunks + c) * 512, 64);
                 _tile_dpbf16ps(0, 1, 2);
             }
-        _tile_stored(0, scores + t0 * 16, 64); /* rows past len hold another sequence's keys: unused */
+        _tile_stored(0, scores + (t0 - k0) * 16, 64); /* rows past k1: another segment's or sequence's: unused */
     }
     _tile_release();
-    free(bq);
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 top = _mm512_set1_ps(-FLT_MAX);
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = 0; t < n; t++) {
         const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(scores + t * 16), sc);
         _mm512_storeu_ps(scores + t * 16, v);
         top = _mm512_max_ps(top, v);
     }
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = 0; t < n; t++) {
         const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t * 16), top));
         _mm512_storeu_ps(scores + t * 16, e);
         sum = _mm512_add_ps(sum, e);
     }
-    float sums[16];
+    float tops[16], sums[16];
+    _mm512_storeu_ps(tops, top);
     _mm512_storeu_ps(sums, sum);
+    for (int64_t h = 0; h < heads; h++) partial[h] = tops[h], partial[heads + h] = sums[h];
     for (int64_t g = 0; g < kv_heads; g++) {
         const float *pg = scores + g * group;
-        float *ag = acc + g * group * dim;
+        float *ag = partial + 2 * heads + g * group * dim;
         const bf16 *vg = v_cache + g * dim;
         switch (group * 1000 + dim) { /* constant sizes keep the accumulators in registers */
-        case 1064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 1, 64); break;
-        case 2064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 2, 64); break;
-        case 3064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 3, 64); break;
-        case 4064: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 4, 64); break;
-        case 1128: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 1, 128); break;
-        case 2128: pv_avx512(pg, vg, table, len, kv_width, block_size, 1, 16, ag, 2, 128); break;
+        case 1064: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, 1, 16, ag, 1, 64); break;
+        case 2064: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, 1, 16, ag, 2, 64); break;
+        case 3064: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, 1, 16, ag, 3, 64); break;
+        case 4064: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, 1, 16, ag, 4, 64); break;
+        case 1128: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, 1, 16, ag, 1, 128); break;
+        case 2128: pv_avx512(pg, vg, table, k0, k1, kv_width, block_size, 1, 16, ag, 2, 128); break;
         default:
             memset(ag, 0, (size_t)(group * dim) * sizeof(float));
-            for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                const bf16 *block = vg + table[t0 / block_size] * block_size * kv_width;
-                const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-                for (int64_t t = 0; t < n; t++)
-                    axpy_group(ag, block + t * kv_width, pg + (t0 + t) * 16, 1, group, dim);
-            }
+            for (int64_t t = k0; t < k1; t++)
+                axpy_group(ag, cache_row(vg, table, t, block_size, kv_width), pg + (t - k0) * 16, 1, group, dim);
         }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        const float inv = 1.0f / sums[h];
-        for (int64_t i = 0; i < dim; i++) out[h * dim + i] = f32_to_bf16(acc[h * dim + i] * inv);
     }
     return 1;
 }
@@ -1323,14 +1379,27 @@ void ts_q8_matmul(const bf16 *x, int64_t rows, int64_t k, const int8_t *packed, 
 /* One query token per sequence over its paged context, read in place from the cache (no gather).
  * q bf16 [seqs, heads, dim] with row stride q_stride (elements); caches bf16 [slots, kv_heads, dim];
  * block_tables int64 [seqs, table_width]; lens int64 [seqs]; out bf16 [seqs, heads, dim].
- * The cache is walked in slot order, each key row loaded once for the query heads of its group; the
- * scores are kept whole, so the softmax is exact (max, then exp and sum, then the weighted values). */
+ * Work items are (sequence, segment of DA_SEGMENT_KEYS keys); each item's scores are kept whole
+ * (max, then exp and sum, then the weighted values), and the segments combine exactly in float32. */
+
+/* Floats of the AMX path's q, transposed into tile pairs per kv head and 32 dims (bf16). */
+#define DA_BQ_FLOATS(kv_heads, dim) ((kv_heads) * (((dim) + 31) / 32) * 256)
+
+/* One item: keys k0 .. k1 - 1 of sequence seq, segment `index` of its `segments`. */
+typedef struct {
+    int64_t seq, k0, k1, index, segments;
+    float *partials;       /* the sequence's segments' partials, one after another; NULL: one segment */
+    _Atomic int64_t *left; /* the sequence's items not yet done: the last one combines them */
+} decode_item;
+
 typedef struct {
     const bf16 *q, *k_cache, *v_cache;
-    int64_t q_stride, table_width, heads, kv_heads, dim, block_size, max_len;
-    const int64_t *block_tables, *lens;
+    int64_t q_stride, table_width, heads, kv_heads, dim, block_size;
+    const int64_t *block_tables;
+    const decode_item *items;
     bf16 *out;
     float scale;
+    int64_t call; /* this call's number (decode_calls) */
 } attention_job;
 
 /* A grow-only buffer, kept between calls (a thread's own when declared __thread): a fresh
@@ -1355,42 +1424,108 @@ static __thread scratch_buf attention_scratch;
 
 static float *thread_scratch(size_t floats) { return (float *)scratch_grow(&attention_scratch, floats * sizeof(float)); }
 
-/* One chunk of ts_paged_decode_attention: one sequence. */
-static void attention_chunk(const void *arg, int64_t s) {
-    const attention_job *j = (const attention_job *)arg;
-    const int64_t heads = j->heads, dim = j->dim, max_len = j->max_len;
-    const int64_t hd = heads * dim, tile = (max_len + 16) * 16, score = heads * max_len;
-    float *buf = thread_scratch((size_t)(2 * hd + (tile > score ? tile : score)));
-    if (buf == NULL) abort(); /* out of memory for a few KB of scratch */
-    float *qf = buf, *acc = buf + hd, *scores = buf + 2 * hd;
-    const bf16 *qs = j->q + s * j->q_stride;
-    const int64_t *table = j->block_tables + s * j->table_width;
-    bf16 *os = j->out + s * hd;
+/* Which call and sequence the q transposed at the front of this thread's scratch is (the AMX path's):
+ * a thread taking several segments of one sequence transposes its q once. */
+static __thread int64_t bq_call = -1, bq_seq = -1;
+static _Atomic int64_t decode_calls; /* numbers the calls of ts_paged_decode_attention */
+
+/* The partial of one item into `partial`, on AMX where it runs, else AVX-512 or portable loops; buf:
+ * the thread's scratch (attention_chunk). */
+static void segment_partial(const attention_job *j, const decode_item *it, float *buf, float *partial) {
+    const int64_t heads = j->heads, dim = j->dim, kv_heads = j->kv_heads, block_size = j->block_size;
+    float *qf = buf + DA_BQ_FLOATS(kv_heads, dim) + heads * (dim + 2), *scores = qf + heads * dim;
+    const bf16 *q = j->q + it->seq * j->q_stride;
+    const int64_t *table = j->block_tables + it->seq * j->table_width, k0 = it->k0, k1 = it->k1;
 #if defined(TS_AMX)
-    if (attend_one_amx(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, dim,
-                                       j->block_size, j->scale, scores, acc))
+    const int bq_ready = bq_call == j->call && bq_seq == it->seq;
+    if (attend_segment_amx(q, j->k_cache, j->v_cache, table, k0, k1, heads, kv_heads, dim, block_size, j->scale,
+                           scores, (bf16 *)buf, bq_ready, partial)) {
+        bq_call = j->call, bq_seq = it->seq;
         return;
+    }
 #endif
     if (dim == 64)
-        attend_one(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, 64, j->block_size, j->scale,
-                   scores, max_len, qf, acc);
+        attend_segment(q, j->k_cache, j->v_cache, table, k0, k1, heads, kv_heads, 64, block_size, j->scale, scores,
+                       qf, partial);
     else if (dim == 128)
-        attend_one(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, 128, j->block_size,
-                   j->scale, scores, max_len, qf, acc);
+        attend_segment(q, j->k_cache, j->v_cache, table, k0, k1, heads, kv_heads, 128, block_size, j->scale, scores,
+                       qf, partial);
     else
-        attend_one(qs, j->k_cache, j->v_cache, table, j->lens[s], os, heads, j->kv_heads, dim, j->block_size,
-                   j->scale, scores, max_len, qf, acc);
+        attend_segment(q, j->k_cache, j->v_cache, table, k0, k1, heads, kv_heads, dim, block_size, j->scale, scores,
+                       qf, partial);
 }
+
+/* One chunk of ts_paged_decode_attention: one item. A sequence of one segment is finished here; of
+ * several, by whichever thread finishes its last item, always combining in segment order. The
+ * thread's scratch: the AMX path's transposed q, a one-segment sequence's partial, q in float32,
+ * the scores. */
+static void attention_chunk(const void *arg, int64_t i) {
+    const attention_job *j = (const attention_job *)arg;
+    const decode_item *it = j->items + i;
+    const int64_t heads = j->heads, dim = j->dim, part = heads * (dim + 2);
+    const int64_t tile = DA_SEGMENT_KEYS * 16, score = heads * DA_SEGMENT_KEYS;
+    const int64_t bq = DA_BQ_FLOATS(j->kv_heads, dim);
+    float *buf = thread_scratch((size_t)(bq + part + heads * dim + (tile > score ? tile : score)));
+    if (buf == NULL) abort(); /* out of memory for a few hundred KB of scratch */
+    bf16 *out = j->out + it->seq * heads * dim;
+    if (it->partials == NULL) {
+        segment_partial(j, it, buf, buf + bq);
+        combine_segments(buf + bq, 1, heads, dim, out);
+        return;
+    }
+    segment_partial(j, it, buf, it->partials + it->index * part);
+    if (atomic_fetch_sub_explicit(it->left, 1, memory_order_acq_rel) == 1) /* sees the others' partials */
+        combine_segments(it->partials, it->segments, heads, dim, out);
+}
+
+/* Segments of a sequence of `len` keys (one at least). */
+static inline int64_t decode_segments(int64_t len) {
+    return len <= DA_SEGMENT_KEYS ? 1 : (len + DA_SEGMENT_KEYS - 1) / DA_SEGMENT_KEYS;
+}
+
+/* A call's items, counters and partials live in the caller's plan; sequences are taken a wave at a
+ * time, each wave's partials at most DA_WAVE_FLOATS (a prompt of thousands of rows, when the prompt
+ * kernel declines, comes here as thousands of sequences). Waves change nothing in the bits. */
+#define DA_WAVE_FLOATS (1 << 20)
+static __thread scratch_buf decode_plan;
+
+static inline size_t align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 void ts_paged_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                                const int64_t *block_tables, int64_t table_width, const int64_t *lens,
                                bf16 *out, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                int64_t block_size, float scale) {
-    int64_t max_len = 0;
-    for (int64_t s = 0; s < seqs; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
-    const attention_job job = {q, k_cache, v_cache, q_stride, table_width, heads, kv_heads, dim, block_size, max_len,
-                               block_tables, lens, out, scale};
-    parallel_chunks(attention_chunk, &job, seqs);
+    const int64_t part = heads * (dim + 2);
+    attention_job job = {q, k_cache, v_cache, q_stride, table_width, heads, kv_heads, dim, block_size,
+                         block_tables, NULL, out, scale, atomic_fetch_add(&decode_calls, 1)};
+    for (int64_t s0 = 0, s1; s0 < seqs; s0 = s1) {
+        int64_t items = 0, split = 0, floats = 0;
+        for (s1 = s0; s1 < seqs; s1++) {
+            const int64_t segments = decode_segments(lens[s1]), need = segments > 1 ? segments * part : 0;
+            if (s1 > s0 && floats + need > DA_WAVE_FLOATS) break;
+            items += segments, split += segments > 1, floats += need;
+        }
+        const size_t item_bytes = align64((size_t)items * sizeof(decode_item));
+        const size_t left_bytes = align64((size_t)split * sizeof(_Atomic int64_t));
+        char *plan = (char *)scratch_grow(&decode_plan, item_bytes + left_bytes + (size_t)floats * sizeof(float));
+        if (plan == NULL) abort();
+        decode_item *item = (decode_item *)plan;
+        _Atomic int64_t *left = (_Atomic int64_t *)(plan + item_bytes);
+        float *partials = (float *)(plan + item_bytes + left_bytes);
+        int64_t n = 0;
+        for (int64_t s = s0; s < s1; s++) {
+            const int64_t segments = decode_segments(lens[s]);
+            if (segments > 1) atomic_init(left, segments);
+            for (int64_t i = 0; i < segments; i++) {
+                const int64_t k0 = i * DA_SEGMENT_KEYS, end = k0 + DA_SEGMENT_KEYS;
+                item[n++] = (decode_item){s, k0, end < lens[s] ? end : lens[s], i, segments,
+                                          segments > 1 ? partials : NULL, segments > 1 ? left : NULL};
+            }
+            if (segments > 1) partials += segments * part, left++;
+        }
+        job.items = item;
+        parallel_chunks(attention_chunk, &job, n);
+    }
 }
 
 /* Prompt attention on AMX: one prompt chunk of one sequence (rows at positions start_pos ..
