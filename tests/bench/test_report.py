@@ -161,7 +161,8 @@ def test_html_is_self_contained_with_plots() -> None:
     # The new parts: intervals under the percentiles, slowdown, calibration, server samples.
     assert "[0.100, +inf]" in page and "slowdown (x)" in page and "queue delay (s)" in page
     assert "isolated TTFT = 0.0324 s + 1.8632 ms/token" in page and "KV blocks in use" in page
-    assert page.count('class="intervals"') == 2  # interval bars on both P99-over-time charts
+    # Interval bars for the windows' P99 and P95 on both over-time charts.
+    assert page.count('class="intervals"') == 4 and "window P95 TPOT" in page
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (scripts/test.sh installs it)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pytest
 
@@ -18,6 +19,7 @@ from tailserve.bench.stats import (
     throughput,
     windows,
 )
+from tailserve.bench.summary import _window_lines, fmt_interval
 from tests.bench.conftest import make_record
 
 
@@ -181,6 +183,22 @@ def test_windows_of_300_requests_have_finite_intervals() -> None:
     for r in rows:
         lo, hi = r.ttft_p99_ci
         assert lo is not None and hi is not None and lo <= r.ttft_p99_s <= hi  # type: ignore[operator]
+
+
+def test_a_soak_window_too_small_for_its_p99_upper_end_has_one_for_its_p95() -> None:
+    # 60 requests a 60 s window (a soak at 1 req/s): TTFTs 100-159 ms, TPOT 10 ms.
+    records = [make_record(i, i * 1.0, 0.1 + (i % 60) * 0.001, 0.01, 3) for i in range(120)]
+    rows = windows(records, 60.0)
+    assert [r.ok for r in rows] == [60, 60]
+    for r in rows:
+        assert r.ttft_p99_ci[1] is None  # 60 values: a P99 has no upper end below 299
+        assert r.ttft_p95_s == pytest.approx(0.156)  # the 57th of 60 by nearest rank
+        lo, hi = r.ttft_p95_ci
+        assert lo is not None and hi is not None and lo <= r.ttft_p95_s <= hi
+        assert r.tpot_p95_s == pytest.approx(0.01)
+    result = {"window_s": 60.0, "rows": [asdict(r) for r in rows]}
+    text = "\n".join(_window_lines(result))
+    assert "P95 TTFT(s) [interval]" in text and f"0.156 {fmt_interval(rows[0].ttft_p95_ci)}" in text
 
 
 def test_attribution_of_the_slowest_percent() -> None:

@@ -20,24 +20,30 @@ def ci_html(ci: list[float | None] | None, scale: float) -> str:
 
 
 def p99_over_time_charts(result: dict[str, Any], bands: list[Band]) -> list[Chart]:
-    """Each window's P99 TTFT and TPOT with its interval bar, against the whole run's P99."""
+    """Each window's P99 TTFT and TPOT with its interval bar, against the whole run's P99, and its P95
+    with its own (a soak's window may hold too few requests for an upper end on its P99)."""
     windows = result["windows"]
     rows = windows["rows"]
     if not rows:
         return []
     charts = []
     for key, name, unit, scale in (("ttft", "TTFT", "s", 1.0), ("tpot", "TPOT", "ms", 1000.0)):
-        kept = [r for r in rows if r[f"{key}_p99_s"] is not None]
-        points = [((r["start_s"] + r["end_s"]) / 2, r[f"{key}_p99_s"] * scale) for r in kept]
-        intervals = [_scaled(r.get(f"{key}_p99_ci"), scale) for r in kept]
+        series = []
+        for stat, color in (("p99", None), ("p95", "#2ca02c")):
+            kept = [r for r in rows if r.get(f"{key}_{stat}_s") is not None]
+            points = [((r["start_s"] + r["end_s"]) / 2, r[f"{key}_{stat}_s"] * scale) for r in kept]
+            intervals = [_scaled(r.get(f"{key}_{stat}_ci"), scale) for r in kept]
+            if points:
+                label = f"window {stat.upper()} {name} with interval"
+                series.append(Series(label, points, "line", color=color, intervals=intervals))
         whole = (result["metrics"].get(f"{key}_s") or {}).get("p99")
         hlines = [(whole * scale, f"whole run P99 {whole * scale:.3g} {unit}")] if whole else []
         charts.append(
             Chart(
                 f"P99 {name} over time ({windows['window_s']:g} s windows)",
                 "window (s from start)",
-                f"P99 {name} ({unit})",
-                [Series(f"window P99 {name} with interval", points, "line", intervals=intervals)],
+                f"P99 and P95 {name} ({unit})",
+                series,
                 bands=bands,
                 hlines=hlines,
             )

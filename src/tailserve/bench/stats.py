@@ -221,12 +221,19 @@ class WindowRow:
     ttft_p99_ci: Interval = (None, None)
     tpot_p99_ci: Interval = (None, None)
     e2e_p99_ci: Interval = (None, None)
+    # A window of a soak at a low rate holds too few requests for an upper end on its P99 (fewer
+    # than 299 at 95%); its P95 has one from 59 requests.
+    ttft_p95_s: float | None = None
+    tpot_p95_s: float | None = None
+    ttft_p95_ci: Interval = (None, None)
+    tpot_p95_ci: Interval = (None, None)
 
 
 def windows(
     measured: Sequence[RequestRecord], window_s: float, ci_level: float = DEFAULT_CI_LEVEL
 ) -> list[WindowRow]:
-    """Per-window P99 of TTFT, TPOT and E2E with intervals, by send time, to show tail drift over a soak."""
+    """Per-window P99 of TTFT, TPOT and E2E, and P95 of TTFT and TPOT, with intervals, by send time, to
+    show tail drift over a soak."""
     if not measured or window_s <= 0:
         return []
     origin = min(r.sent_s for r in measured)
@@ -236,32 +243,38 @@ def windows(
         lo, hi = origin + k * window_s, origin + (k + 1) * window_s
         inside = [r for r in measured if lo <= r.sent_s < hi]
         ok = [r for r in inside if r.ok]
-        ttft = _p99(ci_level, (r.ttft_s for r in ok))
-        tpot = _p99(ci_level, (r.tpot_s for r in ok))
-        e2e = _p99(ci_level, (r.e2e_s for r in ok))
+        ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+        tpot = sorted(r.tpot_s for r in ok if r.tpot_s is not None)
+        e2e = sorted(r.e2e_s for r in ok if r.e2e_s is not None)
+        ttft99, tpot99, e2e99 = (_percentile(99.0, ci_level, v) for v in (ttft, tpot, e2e))
+        ttft95, tpot95 = (_percentile(95.0, ci_level, v) for v in (ttft, tpot))
         rows.append(
             WindowRow(
                 lo,
                 hi,
                 len(inside),
                 len(inside) - len(ok),
-                ttft[0],
-                tpot[0],
-                e2e[0],
+                ttft99[0],
+                tpot99[0],
+                e2e99[0],
                 len(ok),
-                ttft[1],
-                tpot[1],
-                e2e[1],
+                ttft99[1],
+                tpot99[1],
+                e2e99[1],
+                ttft_p95_s=ttft95[0],
+                tpot_p95_s=tpot95[0],
+                ttft_p95_ci=ttft95[1],
+                tpot_p95_ci=tpot95[1],
             )
         )
     return rows
 
 
-def _p99(ci_level: float, values: Iterable[float | None]) -> tuple[float | None, Interval]:
-    data = sorted(v for v in values if v is not None)
+def _percentile(q: float, ci_level: float, data: list[float]) -> tuple[float | None, Interval]:
+    """The nearest-rank q-th percentile of sorted `data` and its interval; None for no values."""
     if not data:
         return None, (None, None)
-    return nearest_rank(data, 99.0), percentile_interval(data, 99.0, ci_level)
+    return nearest_rank(data, q), percentile_interval(data, q, ci_level)
 
 
 @dataclass(frozen=True)

@@ -212,15 +212,18 @@ def _window_lines(windows: dict[str, Any]) -> list[str]:
     if len(rows) < 2:
         return []
     out = [
-        f"P99 per {windows['window_s']:g} s window:  start   sent  fail  TTFT(s) [interval]      "
-        "TPOT(ms) [interval]     E2E(s)"
+        f"{'per ' + format(windows['window_s'], 'g') + ' s window:':<26} start   sent  fail  "
+        f"{'P99 TTFT(s) [interval]':<22} {'P99 TPOT(ms) [interval]':<23} P99 E2E(s)  "
+        f"{'P95 TTFT(s) [interval]':<22} P95 TPOT(ms) [interval]"
     ]
     for r in rows:
         ttft = with_interval(r["ttft_p99_s"], r.get("ttft_p99_ci"), 1.0)
         tpot = with_interval(r["tpot_p99_s"], r.get("tpot_p99_ci"), 1000.0)
+        ttft95 = with_interval(r.get("ttft_p95_s"), r.get("ttft_p95_ci"), 1.0)
+        tpot95 = with_interval(r.get("tpot_p95_s"), r.get("tpot_p95_ci"), 1000.0)
         out.append(
-            f"{'':26}{r['start_s']:6.0f} {r['sent']:6d} {r['failed']:5d}  {ttft:<22} {tpot:<22} "
-            f"{fmt_num(r['e2e_p99_s']):>7}"
+            f"{'':26}{r['start_s']:6.0f} {r['sent']:6d} {r['failed']:5d}  {ttft:<22} {tpot:<23} "
+            f"{fmt_num(r['e2e_p99_s']):>10}  {ttft95:<22} {tpot95}"
         )
     for key, label in (("ttft_p99_max_over_run", "TTFT"), ("tpot_p99_max_over_run", "TPOT")):
         if windows.get(key) is not None:
