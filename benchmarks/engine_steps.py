@@ -6,6 +6,7 @@ against transformers' `generate` on the same weights. Never run beside another m
     .venv/bin/python benchmarks/engine_steps.py features                  # --steps 2 --warmup 1
     .venv/bin/python benchmarks/engine_steps.py offline --batches 1 8 32  # --batches 1 --output-tokens 4 --repeats 1
     .venv/bin/python benchmarks/engine_steps.py commits --base 4845155   # --rounds 1 --steps 2 --model dummy:tiny
+    .venv/bin/python benchmarks/engine_steps.py commits --base 4845155 --rows 3 --context 2000  # long contexts
 
 - `threads`: per thread count, its own engine (each runner steps on its own count): a decode step of
   1 stream and of R streams, and the prefill step of one P-token prompt. The counts alternate round
@@ -106,7 +107,7 @@ def commit_round(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     """One round of step_timer.py's worker on `tree`'s source (its src/ first on the path)."""
     cmd = [sys.executable, str(Path(__file__).with_name("step_timer.py")), "--model", args.model]
     cmd += ["--weight-format", args.weight_format, "--rows", str(args.rows), "--prompt", str(args.prompt)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--context", str(args.context)]
     cmd += [] if args.threads is None else ["--threads", str(args.threads)]
     cmd += ["--policy", args.policy]
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
@@ -365,6 +366,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     commits.add_argument("--rounds", type=int, default=6, help="alternations of the two trees")
     commits.add_argument("--rows", type=int, default=16, help="streams of the batched decode step")
     commits.add_argument("--prompt", type=int, default=1600, help="tokens of the prefill step")
+    commits.add_argument(
+        "--context", type=int, default=64, help="prompt tokens of each decoding stream (long contexts: 2000)"
+    )
     commits.add_argument("--steps", type=int, default=30, help="timed decode steps per figure and round")
     commits.add_argument("--warmup", type=int, default=5)
     commits.add_argument("--threads", type=int, default=None, help="engine threads (default: as the server)")

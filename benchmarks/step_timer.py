@@ -29,16 +29,18 @@ def engine_for(
     weight_format: str = "auto",
     device: str = "cpu",
     policy: str = "slo",
+    context: int = 0,
 ) -> LLMEngine:
-    """An engine of `model` with room for `rows` streams and `step_tokens` a step; prefix caching off,
-    so a repeated prompt is prefilled again. `policy` "fcfs": no prefill cap splits a prompt."""
+    """An engine of `model` with room for `rows` streams and `step_tokens` a step, and for streams of
+    `context` prompt tokens to decode a few hundred more; prefix caching off, so a repeated prompt is
+    prefilled again. `policy` "fcfs": no prefill cap splits a prompt."""
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(
                 model=model,
                 weight_format=weight_format,
                 device=device,
-                max_model_len=max(2048, step_tokens + 64),
+                max_model_len=max(2048, step_tokens + 64, context + 256),
                 num_threads=threads,
             ),
             cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
@@ -72,11 +74,12 @@ def prompt_ids(engine: LLMEngine, tokens: int, salt: int) -> list[int]:
     return [(salt * 7919 + j * 31) % (vocab - 3) + 3 for j in range(tokens)]
 
 
-def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int) -> list[float]:
-    """Milliseconds of each step once `rows` requests of 64-token prompts all decode."""
+def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int, context: int = 64) -> list[float]:
+    """Milliseconds of each step once `rows` requests of `context`-token prompts all decode (the first
+    ones decode while the later ones prefill, so each may take a few steps more)."""
     for i in range(rows):
-        prompt = prompt_ids(engine, 64, i)
-        params = SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True)
+        prompt = prompt_ids(engine, context, i)
+        params = SamplingParams(max_tokens=steps + warmup + 8 + 8 * rows, ignore_eos=True)
         engine.add_request(f"d{rows}-{i}-{time.monotonic_ns()}", prompt, params)
     return timed_decode_steps(engine, rows, warmup, steps)
 
@@ -95,12 +98,17 @@ def prefill_step_ms(engine: LLMEngine, tokens: int, repeats: int) -> list[float]
     return times
 
 
-def one_round(engine: LLMEngine, rows: int, prompt: int, steps: int, warmup: int) -> dict[str, float]:
-    """The medians of one round: a decode step of 1 stream and of `rows`, and a `prompt`-token
-    prefill step (its first run dropped), in milliseconds."""
+def one_round(
+    engine: LLMEngine, rows: int, prompt: int, steps: int, warmup: int, context: int = 64
+) -> dict[str, float]:
+    """The medians of one round: a decode step of 1 stream and of `rows` (each stream's prompt
+    `context` tokens), and a `prompt`-token prefill step (its first run dropped), in milliseconds."""
+    at = "" if context == 64 else f" at {context} tokens"
     return {
-        "decode step, 1 stream": statistics.median(decode_steps_ms(engine, 1, steps, warmup)),
-        f"decode step, {rows} streams": statistics.median(decode_steps_ms(engine, rows, steps, warmup)),
+        f"decode step, 1 stream{at}": statistics.median(decode_steps_ms(engine, 1, steps, warmup, context)),
+        f"decode step, {rows} streams{at}": statistics.median(
+            decode_steps_ms(engine, rows, steps, warmup, context)
+        ),
         f"prefill step, {prompt} tokens": statistics.median(prefill_step_ms(engine, prompt, 4)[1:]),
     }
 
@@ -112,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=1600)
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens of each decoding stream")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
@@ -121,9 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tailserve
 
     engine = engine_for(
-        args.model, args.rows, args.prompt, args.threads, args.weight_format, policy=args.policy
+        args.model, args.rows, args.prompt, args.threads, args.weight_format, policy=args.policy, context=args.context
     )
-    figures = one_round(engine, args.rows, args.prompt, args.steps, args.warmup)
+    figures = one_round(engine, args.rows, args.prompt, args.steps, args.warmup, args.context)
     print(
         json.dumps({"source": tailserve.__file__, "weight_format": engine.weight_format, "figures": figures})
     )
