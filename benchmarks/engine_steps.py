@@ -6,7 +6,7 @@ against transformers' `generate` on the same weights. Never run beside another m
     .venv/bin/python benchmarks/engine_steps.py features                  # --steps 2 --warmup 1
     .venv/bin/python benchmarks/engine_steps.py offline --batches 1 8 32  # --batches 1 --output-tokens 4 --repeats 1
     .venv/bin/python benchmarks/engine_steps.py commits --base 4845155   # --rounds 1 --steps 2 --model dummy:tiny
-    .venv/bin/python benchmarks/engine_steps.py commits --base 4845155 --rows 3 --context 2000  # long contexts
+    .venv/bin/python benchmarks/engine_steps.py commits --base 4845155 --rows 3 --context 2000 --threads 2  # long contexts
 
 - `threads`: per thread count, its own engine (each runner steps on its own count): a decode step of
   1 stream and of R streams, and the prefill step of one P-token prompt. The counts alternate round

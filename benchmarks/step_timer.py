@@ -76,10 +76,12 @@ def prompt_ids(engine: LLMEngine, tokens: int, salt: int) -> list[int]:
 
 def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int, context: int = 64) -> list[float]:
     """Milliseconds of each step once `rows` requests of `context`-token prompts all decode (the first
-    ones decode while the later ones prefill, so each may take a few steps more)."""
+    ones decode while the later ones prefill, on the prefill lane at 2+ threads: tens of steps for a
+    long prompt, so each gets room for them)."""
+    room = engine.config.model.max_model_len - context
     for i in range(rows):
         prompt = prompt_ids(engine, context, i)
-        params = SamplingParams(max_tokens=steps + warmup + 8 + 8 * rows, ignore_eos=True)
+        params = SamplingParams(max_tokens=min(room, steps + warmup + 8 + 64 * rows), ignore_eos=True)
         engine.add_request(f"d{rows}-{i}-{time.monotonic_ns()}", prompt, params)
     return timed_decode_steps(engine, rows, warmup, steps)
 
