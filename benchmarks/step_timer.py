@@ -78,7 +78,7 @@ def decode_steps_ms(engine: LLMEngine, rows: int, steps: int, warmup: int, conte
     """Milliseconds of each step once `rows` requests of `context`-token prompts all decode (the first
     ones decode while the later ones prefill, on the prefill lane at 2+ threads: tens of steps for a
     long prompt, so each gets room for them)."""
-    room = engine.config.model.max_model_len - context
+    room = engine.max_model_len - context
     for i in range(rows):
         prompt = prompt_ids(engine, context, i)
         params = SamplingParams(max_tokens=min(room, steps + warmup + 8 + 64 * rows), ignore_eos=True)
@@ -132,7 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tailserve
 
     engine = engine_for(
-        args.model, args.rows, args.prompt, args.threads, args.weight_format, policy=args.policy, context=args.context
+        args.model,
+        args.rows,
+        args.prompt,
+        args.threads,
+        args.weight_format,
+        policy=args.policy,
+        context=args.context,
     )
     figures = one_round(engine, args.rows, args.prompt, args.steps, args.warmup, args.context)
     print(
