@@ -64,13 +64,19 @@ def _lane_tokens(scheduler: Scheduler) -> int:
     return scheduler.step_plan(NOW, lane=True).num_prefill_tokens
 
 
+def _lane_tokens_beside(gap_s: float, gaps_left: int, pace: bool = True) -> int:
+    """Prompt tokens the lane gets at NOW beside one stream of 99 gaps at `gap_s` each so far and
+    `gaps_left` to go, a 1,000-token prompt just arrived."""
+    scheduler = _scheduler(pace)
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * gap_s, gaps_left=gaps_left)
+    _prompt(scheduler, arrival=NOW)
+    return _lane_tokens(scheduler)
+
+
 # Rooms under the 30 ms target (Scheduler._lane_waits): 30 ms x all gaps - the time so far - the
 # gaps left at the all-threads step (10 ms).
 def test_the_lane_waits_while_a_stream_has_no_room_for_a_chunk() -> None:
-    roomy = _scheduler()  # 99 gaps at 20 ms, 50 to go: room 4.47 - 1.98 - 0.5 = 1.99 s
-    _stream(roomy, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)
-    _prompt(roomy, arrival=NOW)
-    assert _lane_tokens(roomy) > 0
+    assert _lane_tokens_beside(0.020, 50) > 0  # 50 to go: room 4.47 - 1.98 - 0.5 = 1.99 s
 
     # 99 gaps at 31.5 ms, 10 to go: room 3.27 - 3.1185 - 0.1 = 51.5 ms; its 10 steps beside the
     # chunk (it ends before the chunk does) would cost it 10 x 20 ms x (1 - 10 / 20) = 100 ms.
@@ -80,31 +86,19 @@ def test_the_lane_waits_while_a_stream_has_no_room_for_a_chunk() -> None:
     plan = tight.step_plan(NOW, lane=True)
     assert plan.num_prefill_tokens == 0 and plan.num_decodes == 1  # the decode runs on all threads
 
-    unpaced = _scheduler(pace=False)  # --no-pace-lane: the lane runs whatever the room
-    _stream(unpaced, gaps_done=99, seconds_so_far=99 * 0.0315, gaps_left=10)
-    _prompt(unpaced, arrival=NOW)
-    assert _lane_tokens(unpaced) > 0
+    assert _lane_tokens_beside(0.0315, 10, pace=False) > 0  # --no-pace-lane: whatever the room
 
 
 def test_a_stream_about_to_end_is_charged_only_its_own_steps_beside_the_chunk() -> None:
     # 99 gaps at 29.9 ms, 1 to go: room 3.0 - 2.96 - 0.01 = 30 ms. The whole chunk (0.53 s) would
     # cost a stream beside it all along 264 ms, but this one takes one step beside it: 10 ms.
-    scheduler = _scheduler()
-    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=1)
-    _prompt(scheduler, arrival=NOW)
-    assert _lane_tokens(scheduler) > 0
+    assert _lane_tokens_beside(0.0299, 1) > 0
     # With 4 gaps to go its room is 30 + 3 x 20 = 90 ms and its loss 4 x 10 = 40 ms: the lane goes.
-    roomy = _scheduler()
-    _stream(roomy, gaps_done=99, seconds_so_far=99 * 0.0299, gaps_left=4)
-    _prompt(roomy, arrival=NOW)
-    assert _lane_tokens(roomy) > 0
+    assert _lane_tokens_beside(0.0299, 4) > 0
 
 
 def test_a_stream_that_misses_anyway_does_not_hold_the_lane_back() -> None:
-    scheduler = _scheduler()  # 99 gaps at 35 ms: over its target whatever runs
-    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.035, gaps_left=1)
-    _prompt(scheduler, arrival=NOW)
-    assert _lane_tokens(scheduler) > 0
+    assert _lane_tokens_beside(0.035, 1) > 0  # 99 gaps at 35 ms: over its target whatever runs
 
 
 def test_a_prompt_whose_ttft_deadline_needs_the_lane_gets_it() -> None:
