@@ -415,7 +415,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     offline.set_defaults(run=run_offline)
     args = parser.parse_args(argv)
     counts: list[int] = []
-    for name in ("rows", "rounds", "steps", "repeats", "output_tokens", "threads", "batches"):
+    for name in ("rows", "rounds", "steps", "repeats", "output_tokens", "threads", "batches", "context"):
         value = getattr(args, name, None)
         counts += value if isinstance(value, list) else [] if value is None else [value]
     base = getattr(args, "base", None)
@@ -429,7 +429,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--base {base!r} is not a commit of this repository")
     if any(c < 1 for c in counts):
         parser.error(
-            "--rows, --rounds, --steps, --repeats, --output-tokens, --threads and --batches must be >= 1"
+            "--rows, --rounds, --steps, --repeats, --output-tokens, --threads, --batches and --context "
+            "must be >= 1"
         )
     return args
 

@@ -65,6 +65,7 @@ def test_the_step_timers_time_the_steps_asked_and_leave_the_engine_empty() -> No
         ["threads", "--threads", "1", "0"],
         ["features", "--rows", "0"],
         ["offline", "--batches", "8", "0"],
+        ["commits", "--base", "HEAD", "--context", "0"],
     ],
 )
 def test_counts_below_one_are_refused(argv: list[str]) -> None:
