@@ -607,6 +607,36 @@ def test_a_prompt_only_step_gives_the_bits_of_the_layer_by_layer_path(
     assert lean.model.fused is not None and lean.model.fused._prompt_plans() is not None
 
 
+
+def test_a_decode_only_step_gives_the_bits_of_the_layer_by_layer_path(
+    lib: ctypes.CDLL, isa: str, smol: LoadedModel
+) -> None:
+    """Steps of decode rows only run every layer from one loop of raw kernel calls; their logits are
+    the module-by-module path's bit for bit: one stream, then three of unequal contexts (one past a
+    block boundary), on every build with the int4 tile matmul."""
+    if cpu_kernels.tile_matmuls() is None:
+        pytest.skip(f"the {isa} build has no int4 tile matmul: decode rows run on torch's int4 kernel")
+    lean, modules = _runner(smol, True), _runner(smol, True)
+    assert modules.model.fused is not None and lean.model.fused is not None
+    modules.model.fused._decode_steps = [None]  # a layer the loop cannot take: every step by the modules
+    text = "The river Tiber runs through the city of Rome, and its bridges carry people, carts and stories "
+    tokens = smol.tokenizer.encode(text * 3)
+    greedy = SamplingSpec(temperature=0.0)
+    prompts = [(tokens[:20], [0, 1]), (tokens[5:22], [2, 3]), (tokens[:9], [4])]
+    for runner in (lean, modules):
+        runner.logits_for([SeqChunk(p, 0, blocks, False, greedy) for p, blocks in prompts])
+    steps = [
+        [SeqChunk([tokens[20]], 20, [0, 1], True, greedy, decode=True)],
+        [
+            SeqChunk([tokens[21]], 21, [0, 1], True, greedy, decode=True),
+            SeqChunk([tokens[22]], 17, [2, 3], True, greedy, decode=True),
+            SeqChunk([tokens[9]], 9, [4], True, greedy, decode=True),
+        ],
+    ]
+    for chunks in steps:
+        assert torch.equal(lean.logits_for(chunks), modules.logits_for(chunks))
+    assert lean.model.fused._decode_plans(3) is not None
+
 @pytest.fixture
 def threads() -> Iterator[Callable[[int], int]]:
     """Sets torch's and the kernels' thread count together (as `--num-threads` does); restored after."""

@@ -10,7 +10,8 @@ on AMX tiles flash-attention style (ts_paged_prompt_attention) where the CPU has
 has PROMPT_KERNEL_MIN_ROWS rows, else as one decode query each with that length (exact softmax
 either way). Same weights and formats as the torch path; every kernel is row-wise, so a row's result
 does not depend on its batch, nor on its chunk while chunks keep to one attention kernel. A step of
-prompt rows only (no decodes) calls the same kernels from one loop with raw pointers, bit for bit.
+prompt rows only (no decodes), or of decode rows only, calls the same kernels from one loop with raw
+pointers, bit for bit.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class FusedCpuForward:
         self.eps = arch.rms_norm_eps
         self.scale = arch.head_dim**-0.5
         self._plans: list[_LayerPlan | None] | None = None
+        self._decode_steps: list[_LayerPlan | None] | None = None
+        self._dense_decode_from: int | None = None
 
     def __call__(
         self,
@@ -114,6 +117,13 @@ class FusedCpuForward:
         if plans is not None:
             self._prompt_layers(
                 plans, x, h, kv_caches, prompts, (cos_p, sin_p, pos_p, slot_p), meta.block_size
+            )
+            out = F.rms_norm(h.index_select(0, logits_indices), (dim,), model.norm, eps)
+            return model.head_logits(out)
+        steps = self._decode_plans(d) if d == t and self.model.tp is None else None
+        if steps is not None:
+            self._decode_layers(
+                steps, x, h, kv_caches, (tables, lens), (cos_p, sin_p, pos_p, slot_p), meta.block_size
             )
             out = F.rms_norm(h.index_select(0, logits_indices), (dim,), model.norm, eps)
             return model.head_logits(out)
@@ -209,6 +219,93 @@ class FusedCpuForward:
             prefill(act_p, t, self.inter, *plan.down, dim, o_p)
             add_norm(h_p, o_p, dim, plans[i + 1].input_norm if i + 1 < len(plans) else None, x_p, t, dim, eps)
 
+    def _decode_plans(self, rows: int) -> list[_LayerPlan] | None:
+        """Per layer, the raw arguments of its four int4 decode matmuls (ts_q4_matmul) and norms, or
+        None where a layer's linears would not all run `rows` decode rows on that kernel unpadded (the
+        module path then runs). Made once: the weights never move after load."""
+        if self._decode_steps is None:
+            self._decode_steps = [_decode_plan(layer) for layer in self.layers]
+            dense = [
+                linear.dense_decode_from_rows
+                for layer in self.layers
+                for linear in layer.linears()
+                if linear.dense_decode_from_rows is not None
+            ]
+            self._dense_decode_from = min(dense, default=None)
+        if any(plan is None for plan in self._decode_steps):
+            return None
+        if self._dense_decode_from is not None and rows >= self._dense_decode_from:
+            return None  # this many decode rows run on the dense copy (Linear.prompt_rows_from)
+        return cast(list[_LayerPlan], self._decode_steps)
+
+    def _decode_layers(
+        self,
+        plans: list[_LayerPlan],
+        x: torch.Tensor,
+        h: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        context: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[int, int, int, int],
+        block: int,
+    ) -> None:
+        """Every layer of a step of decode rows only, the kernels called straight from one loop on
+        buffers made once a step, as `_prompt_layers` does for prompt rows: the module path's calls,
+        arguments and so bits, without ~100 us of Python per layer between them (a decode step of one
+        stream spent about half its time there, the other core spinning; see docs/ENGINE.md)."""
+        lib = self.lib
+        t, dim, eps = x.shape[0], self.hidden, self.eps
+        heads, kv_heads, hd, width, inter = (
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.qkv_width,
+            self.inter,
+        )
+        qkv = torch.empty(t, width, dtype=torch.bfloat16)
+        attn = torch.empty(t, heads * hd, dtype=torch.bfloat16)
+        o = torch.empty(t, dim, dtype=torch.bfloat16)
+        gate_up = torch.empty(t, 2 * inter, dtype=torch.bfloat16)
+        act = torch.empty(t, inter, dtype=torch.bfloat16)
+        x_p, h_p, qkv_p, attn_p, o_p, gu_p, act_p = (
+            ptr(x),
+            ptr(h),
+            ptr(qkv),
+            ptr(attn),
+            ptr(o),
+            ptr(gate_up),
+            ptr(act),
+        )
+        tables, lens = context
+        tables_p, table_stride, lens_p = ptr(tables), tables.stride(0), ptr(lens)
+        cos_p, sin_p, pos_p, slot_p = rope
+        matmul, add_norm, scale = lib.ts_q4_matmul, lib.ts_add_rms_norm, self.scale
+        for i, plan in enumerate(plans):
+            k_p, v_p = ptr(kv_caches[i][0]), ptr(kv_caches[i][1])
+            matmul(x_p, t, dim, *plan.qkv, width, qkv_p)
+            lib.ts_rope_write_kv(qkv_p, pos_p, cos_p, sin_p, slot_p, k_p, v_p, t, heads, kv_heads, hd)
+            lib.ts_paged_decode_attention(
+                qkv_p,
+                width,
+                k_p,
+                v_p,
+                tables_p,
+                table_stride,
+                lens_p,
+                attn_p,
+                t,
+                heads,
+                kv_heads,
+                hd,
+                block,
+                scale,
+            )
+            matmul(attn_p, t, heads * hd, *plan.o, dim, o_p)
+            add_norm(h_p, o_p, dim, plan.post_norm, x_p, t, dim, eps)
+            matmul(x_p, t, dim, *plan.gate_up, 2 * inter, gu_p)
+            lib.ts_silu_mul(gu_p, act_p, t, inter)
+            matmul(act_p, t, inter, *plan.down, dim, o_p)
+            add_norm(h_p, o_p, dim, plans[i + 1].input_norm if i + 1 < len(plans) else None, x_p, t, dim, eps)
+
     def _silu_gate_up(self, layer: DecoderLayer, x: torch.Tensor, d: int) -> torch.Tensor:
         """silu(gate) * up of the normed rows x: prompt rows straight from the AMX int4 kernel where it
         runs them (the product never written), the rest as the gate|up matmul then SiLU x up. Same bits."""
@@ -248,8 +345,9 @@ class FusedCpuForward:
 
 
 class _LayerPlan(NamedTuple):
-    """A layer's raw pointers for `FusedCpuForward._prompt_layers`: per matmul (packed, scale, min,
-    bias) as ts_q4_prefill_matmul takes them, and its two norm weights."""
+    """A layer's raw pointers for `FusedCpuForward._prompt_layers` (per matmul: packed, scale, min,
+    bias as ts_q4_prefill_matmul takes them) or `_decode_layers` (packed, scale, shifted min, bias as
+    ts_q4_matmul takes them), and its two norm weights."""
 
     qkv: tuple[int, int, int, int | None]
     o: tuple[int, int, int, int | None]
@@ -271,5 +369,19 @@ def _layer_plan(layer: DecoderLayer) -> _LayerPlan | None:
         args.append((ptr(amx4.packed), ptr(amx4.scale), ptr(amx4.min), bias))
     if not layer.gate_up.fuses_silu():
         return None
+    qkv, o, gate_up, down = args
+    return _LayerPlan(qkv, o, gate_up, down, ptr(layer.input_norm), ptr(layer.post_norm))
+
+
+def _decode_plan(layer: DecoderLayer) -> _LayerPlan | None:
+    """The layer's plan for decode rows, or None unless each linear runs them on the int4 tile kernel
+    (ts_q4_matmul: the AMX or AVX512-BF16 build) with no padded outputs."""
+    args: list[tuple[int, int, int, int | None]] = []
+    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        amx4 = linear.amx4
+        if amx4 is None or amx4.scale.shape[0] * 16 != linear.out_features or linear.decode_kernel != "int4":
+            return None
+        bias = None if amx4.bias is None else ptr(amx4.bias)
+        args.append((ptr(amx4.packed), ptr(amx4.scale), ptr(amx4.shifted_min), bias))
     qkv, o, gate_up, down = args
     return _LayerPlan(qkv, o, gate_up, down, ptr(layer.input_norm), ptr(layer.post_norm))
