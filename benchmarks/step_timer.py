@@ -43,12 +43,20 @@ def engine_for(
                 max_model_len=max(2048, step_tokens + 64, context + 256),
                 num_threads=threads,
             ),
-            cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
+            cache=CacheConfig(kv_cache_memory_bytes=kv_bytes(rows, context), enable_prefix_caching=False),
             scheduler=SchedulerConfig(
                 max_num_seqs=max(rows, 16), max_num_batched_tokens=max(2048, step_tokens), policy=policy
             ),
         )
     )
+
+
+def kv_bytes(rows: int, context: int) -> int:
+    """A KV pool that holds `rows` streams of `context` prompt tokens and the decode tokens
+    `decode_steps_ms` asks of them, at up to 64 KiB a token (the default model takes 23 KiB): without
+    room for all, the streams preempt each other and never all decode at once. At least 512 MiB."""
+    tokens = rows * (context + 64 * rows + 128)
+    return max(512 << 20, tokens * (64 << 10))
 
 
 def timed_decode_steps(engine: LLMEngine, rows: int, warmup: int, steps: int) -> list[float]:
