@@ -31,7 +31,7 @@ from tailserve.user_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 6
+ABI_VERSION = 7
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 # Threads through OpenMP, bound at load to the libgomp torch already loaded (one team for both);
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
@@ -66,7 +66,25 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_q4_prefill_silu_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_pack_q4": [_P, _I, _I, _P],
     "ts_apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
+    "ts_decode_layers": [_P, _I, *[_P] * 7, *[_I] * 6, *[_P] * 5, _I, _P, _I, _F, _F],
 }
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's raw pointers for ts_decode_layers: per int4 matmul (qkv, o, gate|up,
+    down) its packed groups, scale, shifted min and bias (0: none), the two norm weights and the
+    layer's K and V caches."""
+
+    _fields_ = [
+        ("packed", _P * 4),
+        ("scale", _P * 4),
+        ("shifted_min", _P * 4),
+        ("bias", _P * 4),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
 
 
 def kernel_dir() -> Path:

@@ -42,7 +42,7 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)((v.u + rounding) >> 16);
 }
 
-int ts_abi_version(void) { return 6; }
+int ts_abi_version(void) { return 7; }
 
 /* --- Threads: the matmuls and decode attention split their independent outputs -----------------
  *
@@ -1892,5 +1892,41 @@ void ts_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *wo
                 if (!((bits >> (t - t0)) & 1u)) row[t] = neg_inf;
         }
         for (int64_t t = covered; t < vocab; t++) row[t] = neg_inf;
+    }
+}
+
+/* --- A decode step's layers from one call ------------------------------------------------------
+ *
+ * A step of decode rows only runs every layer's kernels from this loop: the calls and arguments of
+ * the fused forward's layer-by-layer path (cpu_fused.py), so its bits, without a Python call between
+ * two kernels (a few microseconds each, nine a layer, the team's other threads spinning meanwhile). */
+typedef struct {
+    const uint8_t *packed[4]; /* qkv, o, gate|up, down: ts_q4_matmul's packed groups */
+    const float *scale[4];
+    const float *shifted_min[4];
+    const bf16 *bias[4]; /* or NULL */
+    const float *input_norm, *post_norm;
+    bf16 *k_cache, *v_cache;
+} ts_decode_layer;
+
+void ts_decode_layers(const ts_decode_layer *layers, int64_t n_layers, float *h, bf16 *x, bf16 *qkv, bf16 *attn,
+                      bf16 *o, bf16 *gate_up, bf16 *act, int64_t rows, int64_t dim, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t inter, const int64_t *positions, const float *cos_half,
+                      const float *sin_half, const int64_t *slots, const int64_t *block_tables, int64_t table_width,
+                      const int64_t *lens, int64_t block_size, float eps, float scale) {
+    const int64_t width = (heads + 2 * kv_heads) * head_dim, q_size = heads * head_dim;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const ts_decode_layer *l = &layers[i];
+        ts_q4_matmul(x, rows, dim, l->packed[0], l->scale[0], l->shifted_min[0], l->bias[0], width, qkv);
+        ts_rope_write_kv(qkv, positions, cos_half, sin_half, slots, l->k_cache, l->v_cache, rows, heads, kv_heads,
+                         head_dim);
+        ts_paged_decode_attention(qkv, width, l->k_cache, l->v_cache, block_tables, table_width, lens, attn, rows,
+                                  heads, kv_heads, head_dim, block_size, scale);
+        ts_q4_matmul(attn, rows, q_size, l->packed[1], l->scale[1], l->shifted_min[1], l->bias[1], dim, o);
+        ts_add_rms_norm(h, o, dim, l->post_norm, x, rows, dim, eps);
+        ts_q4_matmul(x, rows, dim, l->packed[2], l->scale[2], l->shifted_min[2], l->bias[2], 2 * inter, gate_up);
+        ts_silu_mul(gate_up, act, rows, inter);
+        ts_q4_matmul(act, rows, inter, l->packed[3], l->scale[3], l->shifted_min[3], l->bias[3], dim, o);
+        ts_add_rms_norm(h, o, dim, i + 1 < n_layers ? layers[i + 1].input_norm : NULL, x, rows, dim, eps);
     }
 }

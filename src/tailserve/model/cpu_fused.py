@@ -87,6 +87,8 @@ class FusedCpuForward:
         self._plans: list[_LayerPlan | None] | None = None
         self._decode_steps: list[_LayerPlan | None] | None = None
         self._dense_decode_from: int | None = None
+        self._decode_key: tuple[int, ...] | None = None
+        self._decode_args: ctypes.Array[cpu_kernels.DecodeLayer] | None = None
 
     def __call__(
         self,
@@ -248,63 +250,47 @@ class FusedCpuForward:
         rope: tuple[int, int, int, int],
         block: int,
     ) -> None:
-        """Every layer of a step of decode rows only, the kernels called straight from one loop on
-        buffers made once a step, as `_prompt_layers` does for prompt rows: the module path's calls,
-        arguments and so bits, without ~100 us of Python per layer between them (a decode step of one
-        stream spent about half its time there, the other core spinning; see docs/ENGINE.md)."""
-        lib = self.lib
-        t, dim, eps = x.shape[0], self.hidden, self.eps
-        heads, kv_heads, hd, width, inter = (
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            self.qkv_width,
-            self.inter,
-        )
-        qkv = torch.empty(t, width, dtype=torch.bfloat16)
+        """Every layer of a step of decode rows only in one call (ts_decode_layers), on buffers made
+        once a step: the module path's kernels, arguments and so bits, with no Python between them
+        (through the modules a decode step of one stream spent about half its time between kernels,
+        the other core spinning; see docs/ENGINE.md)."""
+        t, dim = x.shape[0], self.hidden
+        heads, hd, inter = self.heads, self.head_dim, self.inter
+        qkv = torch.empty(t, self.qkv_width, dtype=torch.bfloat16)
         attn = torch.empty(t, heads * hd, dtype=torch.bfloat16)
         o = torch.empty(t, dim, dtype=torch.bfloat16)
         gate_up = torch.empty(t, 2 * inter, dtype=torch.bfloat16)
         act = torch.empty(t, inter, dtype=torch.bfloat16)
-        x_p, h_p, qkv_p, attn_p, o_p, gu_p, act_p = (
-            ptr(x),
-            ptr(h),
-            ptr(qkv),
-            ptr(attn),
-            ptr(o),
-            ptr(gate_up),
-            ptr(act),
-        )
         tables, lens = context
-        tables_p, table_stride, lens_p = ptr(tables), tables.stride(0), ptr(lens)
         cos_p, sin_p, pos_p, slot_p = rope
-        matmul, add_norm, scale = lib.ts_q4_matmul, lib.ts_add_rms_norm, self.scale
-        for i, plan in enumerate(plans):
-            k_p, v_p = ptr(kv_caches[i][0]), ptr(kv_caches[i][1])
-            matmul(x_p, t, dim, *plan.qkv, width, qkv_p)
-            lib.ts_rope_write_kv(qkv_p, pos_p, cos_p, sin_p, slot_p, k_p, v_p, t, heads, kv_heads, hd)
-            lib.ts_paged_decode_attention(
-                qkv_p,
-                width,
-                k_p,
-                v_p,
-                tables_p,
-                table_stride,
-                lens_p,
-                attn_p,
-                t,
-                heads,
-                kv_heads,
-                hd,
-                block,
-                scale,
-            )
-            matmul(attn_p, t, heads * hd, *plan.o, dim, o_p)
-            add_norm(h_p, o_p, dim, plan.post_norm, x_p, t, dim, eps)
-            matmul(x_p, t, dim, *plan.gate_up, 2 * inter, gu_p)
-            lib.ts_silu_mul(gu_p, act_p, t, inter)
-            matmul(act_p, t, inter, *plan.down, dim, o_p)
-            add_norm(h_p, o_p, dim, plans[i + 1].input_norm if i + 1 < len(plans) else None, x_p, t, dim, eps)
+        self.lib.ts_decode_layers(
+            self._decode_table(plans, kv_caches), len(plans), ptr(h), ptr(x), ptr(qkv), ptr(attn), ptr(o),
+            ptr(gate_up), ptr(act), t, dim, heads, self.kv_heads, hd, inter, pos_p, cos_p, sin_p, slot_p,
+            ptr(tables), tables.stride(0), ptr(lens), block, self.eps, self.scale,
+        )  # fmt: skip
+
+    def _decode_table(
+        self, plans: list[_LayerPlan], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> ctypes.Array[cpu_kernels.DecodeLayer]:
+        """The layers' pointers as ts_decode_layers reads them, made again only if the caches moved."""
+        key = tuple(ptr(c) for pair in kv_caches for c in pair)
+        if self._decode_key != key:
+            table = (cpu_kernels.DecodeLayer * len(plans))()
+            for row, plan, (k_cache, v_cache) in zip(table, plans, kv_caches, strict=True):
+                for j, (packed, scale, shifted_min, bias) in enumerate(
+                    (plan.qkv, plan.o, plan.gate_up, plan.down)
+                ):
+                    row.packed[j], row.scale[j], row.shifted_min[j], row.bias[j] = (
+                        packed,
+                        scale,
+                        shifted_min,
+                        bias,
+                    )
+                row.input_norm, row.post_norm = plan.input_norm, plan.post_norm
+                row.k_cache, row.v_cache = ptr(k_cache), ptr(v_cache)
+            self._decode_args, self._decode_key = table, key
+        assert self._decode_args is not None
+        return self._decode_args
 
     def _silu_gate_up(self, layer: DecoderLayer, x: torch.Tensor, d: int) -> torch.Tensor:
         """silu(gate) * up of the normed rows x: prompt rows straight from the AMX int4 kernel where it
