@@ -611,7 +611,7 @@ def test_a_prompt_only_step_gives_the_bits_of_the_layer_by_layer_path(
 def test_a_decode_only_step_gives_the_bits_of_the_layer_by_layer_path(
     lib: ctypes.CDLL, isa: str, smol: LoadedModel
 ) -> None:
-    """Steps of decode rows only run every layer from one loop of raw kernel calls; their logits are
+    """Steps of decode rows only run every layer from one C call (ts_decode_layers); their logits are
     the module-by-module path's bit for bit: one stream, then three of unequal contexts (one past a
     block boundary), on every build with the int4 tile matmul."""
     if cpu_kernels.tile_matmuls() is None:

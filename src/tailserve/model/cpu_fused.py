@@ -10,8 +10,8 @@ on AMX tiles flash-attention style (ts_paged_prompt_attention) where the CPU has
 has PROMPT_KERNEL_MIN_ROWS rows, else as one decode query each with that length (exact softmax
 either way). Same weights and formats as the torch path; every kernel is row-wise, so a row's result
 does not depend on its batch, nor on its chunk while chunks keep to one attention kernel. A step of
-prompt rows only (no decodes), or of decode rows only, calls the same kernels from one loop with raw
-pointers, bit for bit.
+prompt rows only (no decodes) calls the same kernels from one loop with raw pointers, and a step of
+decode rows only runs them all from one C call (ts_decode_layers): bit for bit the same.
 """
 
 from __future__ import annotations
