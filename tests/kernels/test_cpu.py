@@ -607,7 +607,6 @@ def test_a_prompt_only_step_gives_the_bits_of_the_layer_by_layer_path(
     assert lean.model.fused is not None and lean.model.fused._prompt_plans() is not None
 
 
-
 def test_a_decode_only_step_gives_the_bits_of_the_layer_by_layer_path(
     lib: ctypes.CDLL, isa: str, smol: LoadedModel
 ) -> None:
@@ -636,6 +635,7 @@ def test_a_decode_only_step_gives_the_bits_of_the_layer_by_layer_path(
     for chunks in steps:
         assert torch.equal(lean.logits_for(chunks), modules.logits_for(chunks))
     assert lean.model.fused._decode_plans(3) is not None
+
 
 @pytest.fixture
 def threads() -> Iterator[Callable[[int], int]]:
