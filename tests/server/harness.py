@@ -29,6 +29,9 @@ from tailserve.server.engine_api import Engine
 REPO = Path(__file__).resolve().parents[2]
 
 
+PORT_TRIES = 3  # serve_process's ports to try
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,18 +60,30 @@ def tailserve_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tailserve.cli", *args]
 
 
+class PortTaken(RuntimeError):
+    """The process exited before it was ready because another socket had taken its port meanwhile
+    (free_port's port is free when it answers, not later: on a busy machine a client's connection
+    can get it as its own ephemeral port first)."""
+
+
 @contextmanager
 def running_process(
     cmd: list[str], port: int, ready_timeout_s: float = 120, env: dict[str, str] | None = None
 ) -> Iterator[ServerProcess]:
-    """Start `cmd` (which listens on `port`), wait for /ready, yield it; always stop it (SIGKILL if still up)."""
+    """Start `cmd` (which listens on `port`), wait for /ready, yield it; always stop it (SIGKILL if
+    still up). PortTaken if it could not bind its port."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), **(env or {})}
     log_path = Path(f"/tmp/tailserve-test-{port}.log")
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
             handle = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
-            wait_ready(handle.base, ready_timeout_s, proc)
+            try:
+                wait_ready(handle.base, ready_timeout_s, proc)
+            except RuntimeError as exc:
+                if proc.poll() is not None and "address already in use" in handle.log():
+                    raise PortTaken(f"port {port} was taken before {cmd[:4]} could bind it") from exc
+                raise
             yield handle
         finally:
             if proc.poll() is None:
@@ -104,11 +119,18 @@ def threaded_server(engine: Engine, config: ServerConfig | None = None, ready: b
 def serve_process(
     args: list[str], ready_timeout_s: float = 120, fake: bool = False
 ) -> Iterator[ServerProcess]:
-    """`tailserve serve ARGS` (or tests/server/fake_serve.py when fake) as a subprocess on a free port."""
-    port = free_port()
-    if fake:
-        cmd = [sys.executable, str(REPO / "tests/server/fake_serve.py"), "--port", str(port), *args]
-    else:
-        cmd = tailserve_command("serve", "--port", str(port), "--log-level", "warning", *args)
-    with running_process(cmd, port, ready_timeout_s) as handle:
-        yield handle
+    """`tailserve serve ARGS` (or tests/server/fake_serve.py when fake) as a subprocess on a free
+    port; on another free port if something took the first before the server could bind it."""
+    for attempt in range(PORT_TRIES):
+        port = free_port()
+        if fake:
+            cmd = [sys.executable, str(REPO / "tests/server/fake_serve.py"), "--port", str(port), *args]
+        else:
+            cmd = tailserve_command("serve", "--port", str(port), "--log-level", "warning", *args)
+        try:
+            with running_process(cmd, port, ready_timeout_s) as handle:
+                yield handle
+            return
+        except PortTaken:  # raised before the yield: the caller's block has not run
+            if attempt + 1 == PORT_TRIES:
+                raise

@@ -8,15 +8,25 @@ generous upper bounds: the point is the order of events and that nothing waits f
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from urllib.parse import urlparse
 
 import httpx
 
 from tailserve.http.serve import FORCED_EXIT_CODE
-from tests.server.harness import ServerProcess, free_port, running_process, serve_process, tailserve_command
+from tests.server.harness import (
+    REPO,
+    ServerProcess,
+    free_port,
+    running_process,
+    serve_process,
+    tailserve_command,
+)
 
 LONG = {"model": "fake-model", "prompt": "hello", "max_tokens": 400}  # 400 steps of 50 ms: 20 s
 
@@ -167,3 +177,17 @@ def test_router_drains_like_the_server_and_exits_zero() -> None:
         while "tailserve_requests_running 0.0" not in httpx.get(f"{replica.base}/metrics").text:
             assert time.monotonic() < deadline, "the replica kept generating for a gone router"
             time.sleep(0.1)
+
+
+def test_a_server_that_cannot_bind_its_port_exits_1_not_the_forced_drain_status() -> None:
+    """A port another process listens on: the server says why and exits 1 ("could not start"), not
+    uvicorn's own 3, which is this server's status for a drain cut short by a second signal."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cmd = [sys.executable, str(REPO / "tests/server/fake_serve.py"), "--port", str(port)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert done.returncode == 1 != FORCED_EXIT_CODE, done.stderr[-2000:]
+    assert "address already in use" in done.stderr, done.stderr[-2000:]

@@ -160,7 +160,14 @@ def serve_until_drained(
         **(tls.uvicorn_options() if tls is not None else {}),
     )
     server = DrainingServer(uv_config, drain, drain_timeout_s, tls)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:
+        # uvicorn exits with its STARTUP_FAILURE, 3 (our FORCED_EXIT_CODE), when it cannot bind the
+        # port (it has logged why): not started is 1 here.
+        if server.started:
+            raise
+        return 1
     if not server.started:
         return 1
     return FORCED_EXIT_CODE if server.forced else 0
