@@ -29,6 +29,11 @@ from tailserve.server.engine_api import Engine
 REPO = Path(__file__).resolve().parents[2]
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test's child process runs in: this one, importing this tree's src and tests."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), **(extra or {})}
+
+
 PORT_TRIES = 3  # serve_process's ports to try
 
 
@@ -72,7 +77,7 @@ def running_process(
 ) -> Iterator[ServerProcess]:
     """Start `cmd` (which listens on `port`), wait for /ready, yield it; always stop it (SIGKILL if
     still up). PortTaken if it could not bind its port."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), **(env or {})}
+    env = child_env(env)
     log_path = Path(f"/tmp/tailserve-test-{port}.log")
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

@@ -8,7 +8,6 @@ generous upper bounds: the point is the order of events and that nothing waits f
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from tailserve.http.serve import FORCED_EXIT_CODE
 from tests.server.harness import (
     REPO,
     ServerProcess,
+    child_env,
     free_port,
     running_process,
     serve_process,
@@ -182,12 +182,11 @@ def test_router_drains_like_the_server_and_exits_zero() -> None:
 def test_a_server_that_cannot_bind_its_port_exits_1_not_the_forced_drain_status() -> None:
     """A port another process listens on: the server says why and exits 1 ("could not start"), not
     uvicorn's own 3, which is this server's status for a drain cut short by a second signal."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
         cmd = [sys.executable, str(REPO / "tests/server/fake_serve.py"), "--port", str(port)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
     assert done.returncode == 1 != FORCED_EXIT_CODE, done.stderr[-2000:]
     assert "address already in use" in done.stderr, done.stderr[-2000:]
