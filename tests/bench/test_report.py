@@ -127,6 +127,34 @@ def test_conservative_capacity_needs_the_upper_ends_within_the_slos() -> None:
     assert "(a pass: p99 interval upper ends within the SLOs)" in format_capacity(section)
 
 
+def test_a_late_client_loop_alone_does_not_void_a_probe() -> None:
+    """On a 2-core box a saturated server starves the client's event loop (seen probing vLLM at 10
+    req/s: loop lag P99 23 ms, every send on time). The lag only adds to the latencies measured, so a
+    pass stands, and a fail stands where every missed target is missed by more than the lag."""
+
+    def with_client(doc: dict, lag: float, late_sends: bool | None) -> dict:
+        client = dict(doc["client"], bottleneck=True, loop_lag_p99_s=lag)
+        if late_sends is None:
+            client.pop("late_sends", None)  # a document written before the field existed
+        else:
+            client["late_sends"] = late_sends
+        return dict(doc, client=client)
+
+    passing, _ = constructed_result(n=1000)  # P99 TTFT 1.5 s, TPOT 20 ms against 2 s / 30 ms
+    point = point_from_result(5.0, with_client(passing, 0.023, False))
+    assert point.passed and not point.client_bottleneck
+    assert point_from_result(5.0, with_client(passing, 0.023, False), conservative=True).passed_upper
+    assert not point_from_result(5.0, with_client(passing, 0.023, False), conservative=True).client_bottleneck
+    failing, _ = constructed_result(scale=2.0, n=1000)  # P99 TTFT 3 s (1 s over), TPOT 40 ms (10 ms over)
+    point = point_from_result(5.0, with_client(failing, 0.005, False))
+    assert not point.passed and not point.client_bottleneck
+    # A lag as wide as a miss (TPOT's 10 ms) could have made it: the client may have set the verdict.
+    assert point_from_result(5.0, with_client(failing, 0.02, False)).client_bottleneck
+    # Late sends (the server saw less load) and documents without the field: the client may have.
+    assert point_from_result(5.0, with_client(passing, 0.0, True)).client_bottleneck
+    assert point_from_result(5.0, with_client(failing, 0.005, None)).client_bottleneck
+
+
 def test_conservative_capacity_says_how_few_requests_decide_a_probe() -> None:
     """975 requests with a TTFT: the P99's upper end is the 4th slowest, the table says so, and how
     many requests would make it the 8th. The point-P99 rule prints no such note."""
@@ -246,10 +274,19 @@ def test_capacity_when_nothing_passes_or_the_client_limits() -> None:
     assert calls[:3] == [1.0, 0.5, 0.25] and best is not None and 0.285 <= best <= 0.3 and note is None
     best, _, note = asyncio.run(find_capacity(CapacitySearch(1.0, 8.0), fake_probe(100.0, [])))
     assert best == 8.0 and note and "rate-max" in note
+    # The client cannot drive 4 req/s (its own figures may be the client's): that probe counts as a
+    # fail, the search bisects below it, and the answer is a lower bound that says so.
+    calls = []
     best, _, note = asyncio.run(
-        find_capacity(CapacitySearch(1.0, 64.0), fake_probe(100.0, [], bottleneck_from=4.0))
+        find_capacity(CapacitySearch(1.0, 64.0), fake_probe(100.0, calls, bottleneck_from=4.0))
     )
-    assert best == 2.0 and note and "client" in note
+    assert calls[:4] == [1.0, 2.0, 4.0, 3.0] and best is not None and 3.8 <= best < 4.0
+    assert note and "could not keep up at 4 req/s" in note and "lower bound" in note
+    # Even the start rate is past the client: no capacity to state.
+    best, _, note = asyncio.run(
+        find_capacity(CapacitySearch(1.0, 64.0), fake_probe(100.0, [], bottleneck_from=1.0))
+    )
+    assert best is None and note and "before any rate passed" in note
 
 
 def test_progress_line_shows_live_p99s() -> None:

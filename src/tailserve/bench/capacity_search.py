@@ -85,7 +85,7 @@ def point_from_result(rate: float, result: dict[str, Any], conservative: bool = 
         goodput_per_s=result["slo"]["goodput_per_s"],
         error_rate=result["counts"]["failed"] / measured if measured else None,
         passed=upper if conservative else passed,
-        client_bottleneck=bool(client.get("bottleneck")),
+        client_bottleneck=_client_limits(result, client, upper if conservative else passed, conservative),
         status=result["status"],
         ttft_p99_ci=ci("ttft_s"),
         tpot_p99_ci=ci("tpot_s"),
@@ -114,13 +114,9 @@ async def find_capacity(
         point = await run(rate)
         if point.status != "complete":
             return passed_at, points, f"probe at {rate:g} req/s {point.status}"
-        if point.client_bottleneck:
-            return (
-                passed_at,
-                points,
-                f"the client could not keep up at {rate:g} req/s; result is a lower bound",
-            )
-        if point.passed:
+        if point.client_bottleneck and passed_at is None:
+            return None, points, f"the client could not keep up at {rate:g} req/s, before any rate passed"
+        if point.passed and not point.client_bottleneck:
             passed_at = rate
             if failed_at is not None:
                 break
@@ -147,7 +143,44 @@ async def find_capacity(
             lo = mid
         else:
             hi = mid
-    return lo, points, None
+    return lo, points, _client_note(points)
+
+
+def _client_note(points: list[CapacityPoint]) -> str | None:
+    """A probe where the client could not keep up counts as a fail (its figures may be the client's):
+    the bisection goes on below it, and the answer is a lower bound the note states."""
+    limited = [p.rate_per_s for p in points if p.client_bottleneck]
+    if not limited:
+        return None
+    return (
+        f"the client could not keep up at {min(limited):g} req/s (counted as a fail there and above); "
+        "the result is a lower bound"
+    )
+
+
+def _client_limits(result: dict[str, Any], client: dict[str, Any], passed: bool, conservative: bool) -> bool:
+    """Whether the client may have set this probe's verdict. Late sends always may (the server saw
+    less load). A late event loop only adds to the latencies measured, by at most its P99 lag: a pass
+    stands, and so does a fail whose every missed latency target is missed by more than the lag (on
+    a 2-core box a saturated server starves the client's loop: its lag must not end the search)."""
+    if not client.get("bottleneck"):
+        return False
+    if client.get("late_sends", True):
+        return True  # older documents have no `late_sends`: as before, the client may have
+    if passed:
+        return False
+    lag = client.get("loop_lag_p99_s") or 0.0
+    for verdict in result["slo"]["verdicts"]:
+        if verdict["name"] == "error_rate":
+            continue
+        if conservative:
+            bounds = verdict.get("observed_ci") or (None, None)
+            observed, met = bounds[1], verdict.get("passed_upper") is True
+        else:
+            observed, met = verdict.get("observed"), bool(verdict.get("passed"))
+        if not met and (observed is None or observed - lag <= verdict["threshold"]):
+            return True
+    return False
 
 
 def capacity_section(

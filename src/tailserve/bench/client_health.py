@@ -38,6 +38,10 @@ class ClientHealth:
     notes: list[str] = field(default_factory=list)
     # Loop lag at p50/p95/p99: how much of each measured latency percentile could be client delay.
     client_delay_s: dict[str, float] = field(default_factory=dict)
+    # The sends fell behind (rate short, CPU saturated, requests queued on the client): the server saw
+    # less load than scheduled. False where the only reason is the loop's lag, which only adds to the
+    # latencies measured (a pass stands; a fail stands where it is wider than the lag).
+    late_sends: bool = False
 
 
 def client_health(
@@ -67,6 +71,7 @@ def client_health(
         notes.append(
             f"a few sends were late (client queueing p99 {queue_p99 * 1000:.0f} ms): a busy machine?"
         )
+    late_sends = bool(reasons)
     if lag_p99 is not None and lag_p99 > LOOP_LAG_NOTE_S:
         shown = " / ".join(f"{v * 1000:.1f}" for v in delay.values())
         line = (
@@ -85,6 +90,7 @@ def client_health(
         reasons,
         notes,
         delay,
+        late_sends,
     )
 
 
