@@ -164,10 +164,9 @@ class SchedulerConfig:
     # prompt in the queue until a stream is expected to end, if its first token still comes within
     # its TTFT target, instead of refusing it (engine/tpot_model.py; False: refuse, 429 slo_tpot).
     admission_hold: bool = True
-    # With a prefill lane: a prompt chunk goes on the lane only as long as every decoding stream's
-    # TPOT room covers what the chunk slows it by (a shorter chunk where the room covers only part;
-    # none, the decodes taking all threads, where it covers too little), unless the first prompt's
-    # TTFT deadline needs it now (Scheduler._lane_allowance).
+    # With a prefill lane: a prompt chunk goes on the lane only where every decoding stream's TPOT
+    # room covers what the chunk slows it by (else the decodes take all threads that step), unless
+    # the first prompt's TTFT deadline needs it now (Scheduler._lane_waits).
     pace_lane: bool = True
 
     def __post_init__(self) -> None:

@@ -33,11 +33,6 @@ from tailserve.engine.tpot_model import Stream
 from tailserve.engine.wait_model import QueueSnapshot
 from tailserve.errors import ContextLengthExceededError
 
-# The shortest chunk the paced prefill lane runs where the streams' room allows only part of one: a
-# chunk has a fixed cost (30 layers' kernel calls on one thread), and one shorter than this waits for
-# more room instead (Scheduler._lane_allowance).
-LANE_MIN_CHUNK = 64
-
 
 @dataclass
 class StepPlan:
@@ -152,9 +147,8 @@ class Scheduler:
         candidates += [r for r in self.waiting if r.not_before <= now]  # a held prompt waits its turn
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         first = next(iter([*order.savable, *order.past_saving]), None)
-        if lane and first is not None:
-            # The streams' room bounds the lane's chunk; none fits: the decodes take all threads.
-            left = min(left, self._lane_allowance(first, [r for r, _ in plan.scheduled], now))
+        if lane and first is not None and self._lane_waits(first, [r for r, _ in plan.scheduled], now):
+            left = 0  # the decodes take all threads this step; the lane goes once they have room
         if first is not None and self._idle_step_longer(plan.num_decodes):
             # No stream to protect: the first prompt in order may go in one longer step, up to
             # idle_budget. Only the first: a queue of prompts still goes a budget at a time, so a
@@ -327,49 +321,41 @@ class Scheduler:
                 param="max_tokens",
             )
 
-    def _lane_allowance(self, first: Request, decodes: list[Request], now: float) -> int:
-        """The most prompt tokens the prefill lane may take now so that no stream is pushed over its
-        TPOT target (--pace-lane; issue 40: steps bounded by what each stream's target allows); 0:
-        the lane sits out this step.
+    def _lane_waits(self, first: Request, decodes: list[Request], now: float) -> bool:
+        """Whether the prefill lane sits out this step so that no stream is pushed over its TPOT
+        target (--pace-lane; issue 40: steps bounded by what each stream's target allows).
 
         A lane chunk of C seconds slows the decodes beside it from their all-threads step to their
         step beside the lane (`DecodeTimer`): a stream loses C x (1 - all / beside) against decoding
         on all threads, or only its own steps' share where it ends first (n gaps left: n x beside
         in place of C). Its room is its target times all its gaps, less the time taken so far, less
-        its expected remaining gaps at the all-threads step. The chunk is the largest whose loss
-        every stream's room covers (a whole budget where all rooms do); a chunk under
-        LANE_MIN_CHUNK tokens is not worth its fixed cost, and the lane waits for more room. A
-        stream predicted to miss even without the chunk (no room) holds nothing back, as at
-        admission. The rule gives way to the first prompt in order whose TTFT deadline would
-        otherwise pass: once its prefill, still to run on the lane, plus one chunk's wait would end
-        after its deadline, the lane takes a whole chunk whatever the streams' room."""
-        full = self.config.max_num_batched_tokens
+        its expected remaining gaps at the all-threads step: the lane goes when every stream's room
+        covers the loss. A stream predicted to miss even without the chunk (no room) holds nothing
+        back, as at admission. The rule gives way to the first prompt in order whose TTFT deadline
+        would otherwise pass: once its prefill, still to run on the lane, plus one chunk's wait
+        would end after its deadline, the lane runs whatever the streams' room."""
         if not self.config.pace_lane or not decodes:
-            return full
+            return False
         timer = self.lane_timer
         _, per_token = timer.coefficients()
         if per_token <= 0:
-            return full  # no chunk timed yet
+            return False  # no chunk timed yet
         work = (
             first.num_uncomputed_tokens if first.status is RequestStatus.RUNNING else first.prompt_work_tokens
         )
         start = max(len(first.token_ids) - work, 0)
-        chunk = min(work, full)
-
-        def chunk_s(tokens: int) -> float:
-            return timer.estimate_s(tokens, 0, None, prompt_pairs(tokens, start))
-
+        chunk = min(work, self.config.max_num_batched_tokens)
+        chunk_s = timer.estimate_s(chunk, 0, None, prompt_pairs(chunk, start))
         rest_s = timer.estimate_s(work, 0, None, prompt_pairs(work, start))
         deadline = first.timings.arrival + ttft_target_s(first.slo, self.config.slo_ttft_s)
-        if first.timings.first_token is None and now + rest_s + chunk_s(chunk) > deadline:
-            return full  # its TTFT target needs the lane now
+        if first.timings.first_token is None and now + rest_s + chunk_s > deadline:
+            return False  # its TTFT target needs the lane now
         rows, context = len(decodes), sum(len(r.token_ids) for r in decodes)
         all_s = self.decode_timer.estimate_s(rows, context, False)
         beside_s = self.decode_timer.estimate_s(rows, context, True)
         if all_s is None or beside_s is None or beside_s <= all_s:
-            return full
+            return False
         slower = 1.0 - all_s / beside_s
-        limit_s = float("inf")  # the longest chunk every stream's room covers
         for r in decodes:
             if r.timings.first_token is None:
                 continue
@@ -377,19 +363,9 @@ class Scheduler:
             left = self._steps_left(r)
             room = stream_room_s(r, tpot, now, left, min(all_s, tpot))
             # A stream that ends during the chunk loses only its own steps beside it.
-            if room < 0 or left * beside_s * slower <= room:
-                continue
-            limit_s = min(limit_s, room / slower)
-        if chunk_s(chunk) <= limit_s:
-            return full
-        lo, hi = 0, chunk  # the largest chunk within limit_s (a chunk's time grows with its tokens)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if chunk_s(mid) <= limit_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo if lo >= LANE_MIN_CHUNK else 0
+            if 0 <= room < min(chunk_s, left * beside_s) * slower:
+                return True
+        return False
 
     def held_s(self, now: float) -> float:
         """Seconds until the first waiting prompt held by admission may start; 0 if none is held."""
