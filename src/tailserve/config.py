@@ -168,9 +168,6 @@ class SchedulerConfig:
     # room covers what the chunk slows it by (else the decodes take all threads that step), unless
     # the first prompt's TTFT deadline needs it now (Scheduler._lane_waits).
     pace_lane: bool = True
-    # The longest the pace holds a prompt back: once its request has waited this long since
-    # arrival, its chunks go on the lane whatever the streams' room (None: only its TTFT deadline).
-    pace_max_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -187,10 +184,6 @@ class SchedulerConfig:
         _require(self.max_waiting >= 1, "--max-waiting must be at least 1")
         _require(self.prefill_step_tokens >= 0, "--prefill-step-tokens must be at least 0")
         _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be positive")
-        _require(
-            self.pace_max_wait_s is None or self.pace_max_wait_s >= 0,
-            f"--pace-max-wait must be at least 0 seconds, got {self.pace_max_wait_s}",
-        )
         _require(self.tightest_ttft_s is None or self.tightest_ttft_s > 0, "SLO targets must be positive")
         _require(
             0.0 <= self.prefill_floor <= 1.0, f"--prefill-floor must be in [0, 1], got {self.prefill_floor}"

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.request import Request, RequestStatus, RequestTimings, SamplingParams
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import StepTimer
-from tailserve.errors import ConfigError
 
 NOW = 100.0
 TPOT_S = 0.03
@@ -30,14 +27,8 @@ class _Plan:
     num_prefill_tokens: int
 
 
-def _scheduler(pace: bool = True, budget: int = 2048, max_wait: float | None = None) -> Scheduler:
-    config = SchedulerConfig(
-        slo_ttft_s=2.0,
-        slo_tpot_s=TPOT_S,
-        pace_lane=pace,
-        max_num_batched_tokens=budget,
-        pace_max_wait_s=max_wait,
-    )
+def _scheduler(pace: bool = True, budget: int = 2048) -> Scheduler:
+    config = SchedulerConfig(slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace, max_num_batched_tokens=budget)
     scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), StepTimer())
     scheduler.lane = True
     scheduler.lane_timer.record(_Plan(0, 0), 0.0)  # no fixed part: a chunk is its tokens
@@ -117,23 +108,6 @@ def test_a_prompt_whose_ttft_deadline_needs_the_lane_gets_it() -> None:
     # chunk's wait it would end past its deadline.
     _prompt(scheduler, arrival=NOW - 1.4)
     assert _lane_tokens(scheduler) > 0
-
-
-def test_a_prompt_that_waited_the_pace_max_wait_gets_the_lane() -> None:
-    # No room for the chunk (as above) and its TTFT deadline still far (arrived 0.3 s ago against
-    # 2 s): the pace holds it back, unless --pace-max-wait is under the 0.3 s it has waited.
-    waited = {}
-    for max_wait in (None, 0.5, 0.25, 0.1):
-        scheduler = _scheduler(max_wait=max_wait)
-        _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0315, gaps_left=10)
-        _prompt(scheduler, arrival=NOW - 0.3)
-        waited[max_wait] = _lane_tokens(scheduler) > 0
-    assert waited == {None: False, 0.5: False, 0.25: True, 0.1: True}
-
-
-def test_a_negative_pace_max_wait_is_refused() -> None:
-    with pytest.raises(ConfigError, match="--pace-max-wait"):
-        SchedulerConfig(pace_max_wait_s=-1.0)
 
 
 def test_a_prompt_the_lane_cannot_finish_by_its_deadline_yields_to_one_it_can() -> None:

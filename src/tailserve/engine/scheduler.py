@@ -333,8 +333,7 @@ class Scheduler:
         covers the loss. A stream predicted to miss even without the chunk (no room) holds nothing
         back, as at admission. The rule gives way to the first prompt in order whose TTFT deadline
         would otherwise pass: once its prefill, still to run on the lane, plus one chunk's wait
-        would end after its deadline, the lane runs whatever the streams' room; and, with
-        --pace-max-wait, to one that has waited that long since its arrival."""
+        would end after its deadline, the lane runs whatever the streams' room."""
         if not self.config.pace_lane or not decodes:
             return False
         timer = self.lane_timer
@@ -351,13 +350,6 @@ class Scheduler:
         deadline = first.timings.arrival + ttft_target_s(first.slo, self.config.slo_ttft_s)
         if first.timings.first_token is None and now + rest_s + chunk_s > deadline:
             return False  # its TTFT target needs the lane now
-        max_wait = self.config.pace_max_wait_s
-        if (
-            max_wait is not None
-            and first.timings.first_token is None
-            and now - first.timings.arrival >= max_wait
-        ):
-            return False  # it has waited as long as the pace may hold a prompt back
         rows, context = len(decodes), sum(len(r.token_ids) for r in decodes)
         all_s = self.decode_timer.estimate_s(rows, context, False)
         beside_s = self.decode_timer.estimate_s(rows, context, True)

@@ -223,15 +223,6 @@ def register(subparsers: Any) -> None:
         "(--no-pace-lane: the lane runs whenever prompt work waits)",
     )
     s.add_argument(
-        "--pace-max-wait",
-        type=float,
-        default=_SCHED.pace_max_wait_s,
-        metavar="SECONDS",
-        help="with --pace-lane: the longest the pace holds a prompt back; once its request has waited "
-        "this long, its chunks go on the lane whatever the streams' room (default: until its TTFT "
-        "deadline needs the lane)",
-    )
-    s.add_argument(
         "--past-saving-share",
         type=float,
         default=_SCHED.past_saving_share,
@@ -390,7 +381,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             policy=_schedule_policy(args),
             slo_ttft_s=args.slo_ttft,
             slo_tpot_s=args.slo_tpot,
-            pace_max_wait_s=args.pace_max_wait,
         ),
     )
     slo_classes = SloClasses.load(args.slo_classes, engine.scheduler) if args.slo_classes else None
