@@ -168,10 +168,6 @@ class SchedulerConfig:
     # room covers what the chunk slows it by (else the decodes take all threads that step), unless
     # the first prompt's TTFT deadline needs it now (Scheduler._lane_waits).
     pace_lane: bool = True
-    # With the paced lane: also keep each stream's TPOT within this many times the decode step on
-    # all threads for the batch now, where that is tighter than its TPOT target (0: the target only).
-    # A stream's TPOT then depends less on how many prompts arrive while it decodes (issue 40).
-    pace_steady: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")
@@ -195,10 +191,6 @@ class SchedulerConfig:
         _require(
             0.0 < self.past_saving_share <= 1.0,
             f"--past-saving-share must be in (0, 1] (0 would starve late requests), got {self.past_saving_share}",
-        )
-        _require(
-            self.pace_steady == 0.0 or self.pace_steady >= 1.0,
-            f"--pace-steady must be 0 (off) or at least 1, got {self.pace_steady}",
         )
         _require(
             0.0 <= self.urgent_slack <= 1.0, f"--urgent-slack must be in [0, 1], got {self.urgent_slack}"

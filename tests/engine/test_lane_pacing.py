@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-
 from tailserve.config import SchedulerConfig
 from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.request import Request, RequestStatus, RequestTimings, SamplingParams
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import StepTimer
-from tailserve.errors import ConfigError
 
 NOW = 100.0
 TPOT_S = 0.03
@@ -30,10 +27,8 @@ class _Plan:
     num_prefill_tokens: int
 
 
-def _scheduler(pace: bool = True, budget: int = 2048, steady: float = 0.0) -> Scheduler:
-    config = SchedulerConfig(
-        slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace, max_num_batched_tokens=budget, pace_steady=steady
-    )
+def _scheduler(pace: bool = True, budget: int = 2048) -> Scheduler:
+    config = SchedulerConfig(slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace, max_num_batched_tokens=budget)
     scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), StepTimer())
     scheduler.lane = True
     scheduler.lane_timer.record(_Plan(0, 0), 0.0)  # no fixed part: a chunk is its tokens
@@ -113,33 +108,6 @@ def test_a_prompt_whose_ttft_deadline_needs_the_lane_gets_it() -> None:
     # chunk's wait it would end past its deadline.
     _prompt(scheduler, arrival=NOW - 1.4)
     assert _lane_tokens(scheduler) > 0
-
-
-def test_pace_steady_holds_the_lane_for_a_stream_under_its_target_but_over_the_factor() -> None:
-    # 99 gaps at 14.8 ms, 10 to go, well under the 30 ms target: the lane goes. Told --pace-steady
-    # 1.5, the stream's target is 1.5 x the 10 ms all-threads step: room 15 ms x 109 - 1.4652 s -
-    # 0.1 s = 70 ms, under the 100 ms its 10 steps beside the chunk would cost it; at 2 (20 ms) the
-    # room is 615 ms and the lane goes; at 4 the 30 ms target is the tighter and decides.
-    went = {}
-    for steady in (0.0, 1.5, 2.0, 4.0):
-        scheduler = _scheduler(steady=steady)
-        _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0148, gaps_left=10)
-        _prompt(scheduler, arrival=NOW)
-        went[steady] = _lane_tokens(scheduler) > 0
-    assert went == {0.0: True, 1.5: False, 2.0: True, 4.0: True}
-
-
-def test_pace_steady_gives_way_to_a_ttft_deadline() -> None:
-    scheduler = _scheduler(steady=1.5)
-    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.0148, gaps_left=10)
-    _prompt(scheduler, arrival=NOW - 1.4)  # its deadline needs the lane now (as above)
-    assert _lane_tokens(scheduler) > 0
-
-
-@pytest.mark.parametrize("steady", [0.5, -1.0])
-def test_a_pace_steady_under_one_is_refused(steady: float) -> None:
-    with pytest.raises(ConfigError, match="--pace-steady"):
-        SchedulerConfig(pace_steady=steady)
 
 
 def test_a_prompt_the_lane_cannot_finish_by_its_deadline_yields_to_one_it_can() -> None:

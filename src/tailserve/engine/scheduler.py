@@ -333,9 +333,7 @@ class Scheduler:
         covers the loss. A stream predicted to miss even without the chunk (no room) holds nothing
         back, as at admission. The rule gives way to the first prompt in order whose TTFT deadline
         would otherwise pass: once its prefill, still to run on the lane, plus one chunk's wait
-        would end after its deadline, the lane runs whatever the streams' room. --pace-steady F
-        tightens each stream's target to F x the all-threads step of the batch now where that is
-        less: a stream's TPOT then depends less on how many prompts arrive while it decodes."""
+        would end after its deadline, the lane runs whatever the streams' room."""
         if not self.config.pace_lane or not decodes:
             return False
         timer = self.lane_timer
@@ -358,11 +356,10 @@ class Scheduler:
         if all_s is None or beside_s is None or beside_s <= all_s:
             return False
         slower = 1.0 - all_s / beside_s
-        steady = self.config.pace_steady * all_s if self.config.pace_steady else math.inf
         for r in decodes:
             if r.timings.first_token is None:
                 continue
-            tpot = min(tpot_target_s(r.slo, self.config.slo_tpot_s), steady)
+            tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
             left = self._steps_left(r)
             room = stream_room_s(r, tpot, now, left, min(all_s, tpot))
             # A stream that ends during the chunk loses only its own steps beside it.

@@ -223,15 +223,6 @@ def register(subparsers: Any) -> None:
         "(--no-pace-lane: the lane runs whenever prompt work waits)",
     )
     s.add_argument(
-        "--pace-steady",
-        type=float,
-        default=_SCHED.pace_steady,
-        metavar="FACTOR",
-        help="with --pace-lane: also keep each stream's TPOT within FACTOR times the decode step on all "
-        "threads, where that is tighter than its TPOT target, so that a stream's TPOT depends less on "
-        "how many prompts arrive while it decodes (e.g. 1.7; 0, the default: the TPOT target only)",
-    )
-    s.add_argument(
         "--past-saving-share",
         type=float,
         default=_SCHED.past_saving_share,
