@@ -152,6 +152,10 @@ class SchedulerConfig:
     # CPU, 2+ threads: while streams decode, prompt chunks run on a thread of their own with half the
     # threads, beside the decode steps, instead of inside them (engine/prefill_lane.py).
     prefill_lane: bool = True
+    # Prompt tokens a lane chunk may carry (its own budget: a chunk shares no step with decodes, so
+    # the step budget need not bound it). Longer chunks pay the lane's fixed cost per chunk, and the
+    # wait between a chunk's hand-over and its first token, fewer times per prompt (issue 40).
+    lane_chunk_tokens: int = 512
     # With no stream decoding (nothing whose TPOT a long step would hurt), a step may carry up to
     # this many prompt tokens instead of max_num_batched_tokens (the larger of the two counts; 0: the
     # step budget). Off where prompt rows run oneDNN (kernels per row count, created before serving).
@@ -182,6 +186,7 @@ class SchedulerConfig:
             f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.policy!r}",
         )
         _require(self.max_waiting >= 1, "--max-waiting must be at least 1")
+        _require(self.lane_chunk_tokens >= 1, "--lane-chunk-tokens must be at least 1")
         _require(self.prefill_step_tokens >= 0, "--prefill-step-tokens must be at least 0")
         _require(self.slo_ttft_s > 0 and self.slo_tpot_s > 0, "SLO targets must be positive")
         _require(self.tightest_ttft_s is None or self.tightest_ttft_s > 0, "SLO targets must be positive")

@@ -221,8 +221,8 @@ def test_prefill_lane_same_tokens(
     reference: list[list[int]],
 ) -> None:
     """Prompts arriving one by one while earlier ones decode are computed on the prefill lane beside
-    the decode steps, in chunks, and every token is still transformers'."""
-    llm = _lane_llm(smol, engine_config, max_num_batched_tokens=32, max_num_seqs=16)
+    the decode steps, in chunks of the lane's own budget, and every token is still transformers'."""
+    llm = _lane_llm(smol, engine_config, max_num_batched_tokens=32, lane_chunk_tokens=24, max_num_seqs=16)
     engine, outs, lane_steps = llm.engine, dict[str, list[int]](), 0
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     lane, chunks = engine.lane, []
@@ -240,6 +240,8 @@ def test_prefill_lane_same_tokens(
     assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
     # The lane's chunks are timed apart from the steps (half the threads), and counted once.
     assert engine.scheduler.lane_timer.steps == len(chunks) >= 1
+    # A lane chunk holds --lane-chunk-tokens, not the step budget (the prompts are longer than 24).
+    assert max(plan.num_prefill_tokens for plan in chunks) == 24
     stats = engine.stats()
     assert stats.steps_total == sum(h.count for h in stats.steps.duration_s)
     _assert_pool_free(llm)

@@ -27,8 +27,15 @@ class _Plan:
     num_prefill_tokens: int
 
 
-def _scheduler(pace: bool = True, budget: int = 2048) -> Scheduler:
-    config = SchedulerConfig(slo_ttft_s=2.0, slo_tpot_s=TPOT_S, pace_lane=pace, max_num_batched_tokens=budget)
+def _scheduler(pace: bool = True, budget: int = 2048, lane_chunk: int | None = None) -> Scheduler:
+    """A lane chunk of `lane_chunk` tokens (default: `budget`, the step budget)."""
+    config = SchedulerConfig(
+        slo_ttft_s=2.0,
+        slo_tpot_s=TPOT_S,
+        pace_lane=pace,
+        max_num_batched_tokens=budget,
+        lane_chunk_tokens=lane_chunk or budget,
+    )
     scheduler = Scheduler(config, KVCacheManager(2000, 16, enable_prefix_caching=False), StepTimer())
     scheduler.lane = True
     scheduler.lane_timer.record(_Plan(0, 0), 0.0)  # no fixed part: a chunk is its tokens
@@ -129,3 +136,20 @@ def test_a_prompt_the_lane_cannot_finish_by_its_deadline_yields_to_one_it_can() 
     scheduler.add(fresh)
     chunks = {req.request_id: n for req, n in scheduler.step_plan(NOW, lane=True).scheduled[1:]}
     assert chunks == {"b": 200, "a": 312}
+
+
+def test_a_lane_chunk_has_a_budget_of_its_own() -> None:
+    # Steps of 256 tokens, lane chunks of 512: the lane takes 512 of a 1,000-token prompt beside a
+    # stream with room; the queue admission reads prices the prompts behind in lane chunks too.
+    scheduler = _scheduler(budget=256, lane_chunk=512)
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)
+    _prompt(scheduler, arrival=NOW)
+    assert scheduler.queue_snapshot(NOW).prefill_cap == 512
+    plan = scheduler.step_plan(NOW, lane=True)
+    assert plan.num_decodes == 1 and plan.num_prefill_tokens == 512
+    # Without the lane (--no-prefill-lane) the same prompt shares the step, within its budget.
+    scheduler = _scheduler(budget=256, lane_chunk=512)
+    scheduler.lane = False
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)
+    _prompt(scheduler, arrival=NOW)
+    assert scheduler.step_plan(NOW).num_prefill_tokens <= 255

@@ -91,7 +91,7 @@ class Scheduler:
         # The lane's chunks run on half the threads beside the decode steps: they are timed apart
         # (the engine records them here), so they neither teach the steps' prices nor take them.
         # One timer for both priced a lane chunk 16-25% short and a step with no decode 28% long.
-        self.lane_timer = StepTimer(budget_tokens=config.max_num_batched_tokens)
+        self.lane_timer = StepTimer(budget_tokens=config.lane_chunk_tokens)
         # Decode-only steps by rows and context, on all threads or beside a lane chunk (the engine
         # records them): what the TPOT price plays the streams' future with.
         self.decode_timer = DecodeTimer()
@@ -139,7 +139,7 @@ class Scheduler:
             plan.block_tables = [list(self.kv.block_table(r.request_id)) for r, _ in plan.scheduled]
             return plan
         if lane:
-            budget = self.config.max_num_batched_tokens
+            budget = self.config.lane_chunk_tokens  # the lane's chunk has a budget of its own
         protect = [] if lane else [r for r, _ in plan.scheduled]
         plan.prefill_cap = self.policy.prefill_cap(protect, budget, now)
         left = min(budget, plan.prefill_cap)
@@ -344,7 +344,7 @@ class Scheduler:
             first.num_uncomputed_tokens if first.status is RequestStatus.RUNNING else first.prompt_work_tokens
         )
         start = max(len(first.token_ids) - work, 0)
-        chunk = min(work, self.config.max_num_batched_tokens)
+        chunk = min(work, self.config.lane_chunk_tokens)
         chunk_s = timer.estimate_s(chunk, 0, None, prompt_pairs(chunk, start))
         rest_s = timer.estimate_s(work, 0, None, prompt_pairs(work, start))
         deadline = first.timings.arrival + ttft_target_s(first.slo, self.config.slo_ttft_s)
@@ -375,7 +375,8 @@ class Scheduler:
         """Prompt work not yet done, with each request's TTFT deadline: what admission control reads."""
         prefilling = [*self.waiting, *(r for r in self.running if not r.is_decoding)]
         decoding = [r for r in self.running if r.is_decoding]
-        budget = self.config.max_num_batched_tokens
+        # With a lane, the prompts behind the first go there in its chunks (the first may too).
+        budget = self.config.lane_chunk_tokens if self.lane else self.config.max_num_batched_tokens
         pending = [prefill_item(r, self.config.slo_ttft_s) for r in prefilling]
         running_prefills = sum(1 for r in self.running if not r.is_decoding)
         return QueueSnapshot(

@@ -207,6 +207,13 @@ def register(subparsers: Any) -> None:
         "decode steps instead of inside them (the steady-tail lane; --no-prefill-lane: one step for all)",
     )
     s.add_argument(
+        "--lane-chunk-tokens",
+        type=int,
+        default=_SCHED.lane_chunk_tokens,
+        help="with the prefill lane: most prompt tokens one lane chunk carries (its own budget, apart "
+        "from --max-num-batched-tokens, which bounds the steps that decode)",
+    )
+    s.add_argument(
         "--admission-hold",
         action=argparse.BooleanOptionalAction,
         default=_SCHED.admission_hold,
