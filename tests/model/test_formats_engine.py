@@ -76,3 +76,34 @@ def test_hf_style_float_weights_are_requantized(fmt: str) -> None:
     got = model.layers[0].down(x, 3).float()
     want = ref.layers[0].down(x.float(), 3)
     assert ((got - want).norm() / want.norm()).item() < (0.15 if fmt == "int4" else 0.02)
+
+
+def test_cpus_without_bf16_run_prompt_rows_on_a_float32_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has no bf16 arithmetic (torch's bf16 GEMM emulated, ~4.5x slower than float32),
+    the int formats' dense copy for prompt rows is float32 under bf16 activations; the bf16 format
+    (dense for decode too) and CPUs with bf16 keep bf16. Such prompt rows round by thread count, so
+    the engine opens no prefill lane over them."""
+    from tailserve.engine.llm_engine import make_lane
+    from tailserve.executor.runner import ModelRunner
+    from tailserve.kernels import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
+    assert plan_for("int4", CPU).prefill == "bf16"
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    assert [plan_for(f, CPU).prefill for f in ("int4", "int8", "bf16", "fp32")] == [
+        "fp32w",
+        "fp32w",
+        "bf16",
+        "fp32",
+    ]
+    loaded = load_model("dummy:tiny", torch.float32)
+    model = build_model(loaded, "int4", CPU, 64)
+    assert model.activation_dtype == torch.bfloat16
+    assert {linear.weight.dtype for linear in model.prompt_linears() if linear.weight is not None} == {
+        torch.float32
+    }
+    runner = ModelRunner(model, 16, 16, CPU, kv_dtype=torch.bfloat16, num_threads=2)
+    assert make_lane(runner) is None
+    fp32 = ModelRunner(build_model(loaded, "fp32", CPU, 64), 16, 16, CPU, num_threads=2)
+    assert make_lane(fp32) is not None  # the rule is the float32 copy's, not the thread count's

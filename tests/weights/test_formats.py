@@ -265,3 +265,26 @@ def test_lm_head_rescores_its_best_tokens_in_float32(kernel: str) -> None:
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
     top = exact.topk(4, dim=-1).indices
     assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-4)
+
+
+def test_fp32w_prompt_rows_are_one_bf16_rounding_from_the_exact_product() -> None:
+    """`fp32w` (the prompt rows of CPUs without bf16 arithmetic): bf16 rows in and out, the product on
+    a float32 copy of the weights, so each output is the exact product (plus bias) rounded once to
+    bf16: within half a bf16 step of it (2^-8 of its size at most) plus float32 summation error. A
+    lone row gets the bits it gets in a batch of two."""
+    t = _blocks("Q4_1", 96, 576, seed=13)
+    dense = dequantize_tensor(t)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(14))
+    layer = Linear(WeightSource(dense, int4_from_blocks(t)), bias, "int4", "fp32w")
+    assert layer.weight is not None and layer.weight.dtype == torch.float32
+    assert layer.activation_dtype == torch.bfloat16
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(15)).to(torch.bfloat16)
+    got = layer(x, 3)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got[:3], layer.decode_matmul(x[:3].contiguous()))  # decode rows: the int4 kernel
+    exact = x[3:].double() @ dense.double().T + bias.to(torch.bfloat16).double()
+    summed = x[3:].double().abs() @ dense.double().abs().T  # what float32 summation error scales with
+    err = (got[3:].double() - exact).abs()
+    assert bool((err <= exact.abs() * 2**-8 + summed * 2**-16).all()), f"max error {err.max().item():.3g}"
+    two = layer.prefill_matmul(x[3:5])
+    assert torch.equal(layer.prefill_matmul(x[3:4]), two[:1])

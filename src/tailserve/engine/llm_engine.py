@@ -339,14 +339,19 @@ def idle_budget(runner: ModelRunner, config: SchedulerConfig) -> int:
 
 def make_lane(runner: ModelRunner) -> PrefillLane | None:
     """A prefill lane with half the runner's CPU threads, where it has 2 or more and runs alone (no
-    tensor parallelism), and its prompt rows run no oneDNN kernel; None elsewhere.
+    tensor parallelism), and its prompt rows run no oneDNN kernel or float32 copy; None elsewhere.
 
     oneDNN's prompt-row kernels (the dense bf16 copy, used where there is no AMX) are created per
     thread count before serving (executor.warmup) and round by it: on the lane's thread count they
-    would compile while serving, and a prompt's bits would depend on which thread ran it."""
+    would compile while serving, and a prompt's bits would depend on which thread ran it. The
+    float32 copy of CPUs without bf16 arithmetic (`fp32w`) rounds by thread count too (torch's
+    float32 GEMM splits its sums by it)."""
     threads = runner.num_threads or 1
     if runner.device.type != "cpu" or runner.tp is not None or threads < 2:
         return None
-    if any(linear.onednn is not None for linear in runner.model.prompt_linears()):
+    if any(
+        linear.onednn is not None or linear.prefill_kernel == "fp32w"
+        for linear in runner.model.prompt_linears()
+    ):
         return None
     return PrefillLane(runner, threads // 2)

@@ -223,6 +223,19 @@ def tile_matmuls() -> ctypes.CDLL | None:
     return load() if tile_isa() > 0 else None
 
 
+# Flags of CPUs that compute bf16 themselves (x86 AVX512-BF16 or AMX, Arm's BF16 extension).
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+@cache
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic; without it (an Ice Lake Xeon, an AVX2 desktop, or a VM
+    that hides the flags) torch's bf16 GEMMs are emulated, ~4.5x slower than float32. True where the
+    flags cannot be read (nothing is changed on a guess)."""
+    flags = _cpu_flags().split()
+    return not flags or any(f in flags for f in _BF16_FLAGS)
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags (-march=native depends on them); empty where /proc is absent."""
     try:

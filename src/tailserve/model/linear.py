@@ -29,7 +29,10 @@ from tailserve.weights.formats import (
 
 KERNELS = ("fp32", "bf16", "int4", "int8")
 PACK_ROWS_HINT = 256  # the rows oneDNN's weight layout is chosen for: a full step budget of prompt rows
-_DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The dense copy's dtype per prompt-row kernel. `fp32w`: bf16 activations in and out, the product on
+# a float32 copy of the weights, for CPUs that have no bf16 arithmetic (formats.plan_for): there
+# torch's bf16 GEMM is emulated at ~60 GFLOP/s against ~290 for float32 (2-vCPU Xeon, 2026-12-06).
+_DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp32w": torch.float32}
 
 
 @dataclass
@@ -87,7 +90,7 @@ class Linear(nn.Module):
         # prefill int4 the prompt rows widen the int4 groups to bf16 on the fly instead.
         self.weight: nn.Parameter | None = None
         if not amx_prefill:
-            self.weight = nn.Parameter(source.dense.to(self.activation_dtype), requires_grad=False)
+            self.weight = nn.Parameter(source.dense.to(_DENSE_DTYPES[prefill]), requires_grad=False)
         # int4 runs on the fused kernels' tile matmul where it can (AMX or AVX512-BF16; exact to the
         # groups' float32 scales), else on torch's int4 kernel (scales rounded to bf16). One of the
         # two is kept.
@@ -141,6 +144,9 @@ class Linear(nn.Module):
             # torch runs a single row on another kernel than two or more (seen on Zen 4: other
             # rounding), so a lone decode row would not equal the same row in a batch: run it as two.
             return self.prefill_matmul(x.expand(2, -1).contiguous())[:1]
+        if self.weight.dtype != x.dtype:  # fp32w: float32 product, rounded once to the activations' bf16
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight, bias).to(x.dtype)
         if self.onednn is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self.onednn, self.bias, "none", [None], ""

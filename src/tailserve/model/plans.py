@@ -72,6 +72,11 @@ def plan_for(
         head = "bf16" if head == "q8" else head
     if not cpu or cpu_kernels.amx() is None:
         prefill = "bf16" if prefill == "int4" else prefill
+    if cpu and prefill == "bf16" and plan.decode != "bf16" and not cpu_kernels.native_bf16():
+        # The dense copy only serves prompt rows here: float32 runs them ~4.5x faster than torch's
+        # emulated bf16 GEMM (docs/ENGINE.md, "CPUs without bf16 arithmetic"), for the same memory
+        # as the bf16 copy and its oneDNN-packed twin.
+        prefill = "fp32w"
     return FormatPlan(plan.decode, prefill, head, dense_decode_from_rows)
 
 

@@ -46,7 +46,9 @@ class FormatPlan:
     """Which kernel each part of the model runs: layer linears per phase, and the LM head on its own."""
 
     decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
-    prefill: str  # layer linears on prefill rows: fp32, bf16, or int4 (AMX: groups widened to bf16)
+    # layer linears on prefill rows: fp32, bf16, fp32w (bf16 activations on a float32 weight copy,
+    # for CPUs without bf16 arithmetic) or int4 (AMX: groups widened to bf16)
+    prefill: str
     head: str  # the LM head, every sampled row: fp32, bf16, int8, q8 (int4 offered, hurts quality)
     # Opt-in, never a default: steps with at least this many decode rows run them on the prefill
     # kernel (bf16 beats int4 from ~16 rows). A request's tokens then depend on the batch it is in.
