@@ -37,10 +37,12 @@ HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
 
 
 # Every kernel test runs once per instruction set this CPU can execute (TAILSERVE_CPU_ISA), so an
-# AMX machine also tests the AVX512-BF16 and portable builds a Zen 4 or an AVX2 machine runs.
+# AMX machine also tests the AVX512-BF16, AVX-512 and portable builds a Zen 4, a Xeon without AMX
+# or AVX512-BF16, or an AVX2 machine runs.
 WHO_RUNS = {
     "amx": "an Intel CPU with AMX (Sapphire Rapids or later)",
     "avx512bf16": "a CPU with AVX512-BF16 (AMD Zen 4, Intel Cooper Lake or later)",
+    "avx512": "a CPU with AVX-512 (Intel Skylake-SP or later, AMD Zen 4)",
 }
 
 
@@ -49,7 +51,7 @@ def _forget_kernels() -> None:
     cpu_kernels.tile_isa.cache_clear()
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512bf16", "portable"])
+@pytest.fixture(scope="module", params=["amx", "avx512bf16", "avx512", "portable"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """The kernels built for one instruction set, for every test of the module that uses them."""
     name: str = request.param
@@ -141,7 +143,9 @@ def test_the_isa_selector_builds_each_path_apart_and_refuses_what_the_cpu_lacks(
     assert len(list((tmp_path / "kernels").glob("*.so"))) == len(built)
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx3")
     _forget_kernels()
-    with pytest.raises(ConfigError, match="must be one of native, amx, avx512bf16, portable, got 'avx3'"):
+    with pytest.raises(
+        ConfigError, match="must be one of native, amx, avx512bf16, avx512, portable, got 'avx3'"
+    ):
         cpu_kernels.load()
 
 
@@ -382,14 +386,13 @@ def _prompt_case(
     return k_cache, v_cache, [t.contiguous() for t in tables], qkv
 
 
-def _amx_prompt_kernel(lib: ctypes.CDLL, isa: str) -> None:
-    """Skip unless this build runs the AMX prompt kernel; without AMX it must decline (the decode
-    kernel then runs each row, tested above)."""
-    if isa != "amx":
+def _prompt_kernel(lib: ctypes.CDLL, isa: str) -> None:
+    """Skip unless this build runs a prompt attention kernel (AMX tiles, or float32 FMAs on AVX-512
+    without AMX); the portable build must decline (the decode kernel then runs each row, tested above)."""
+    if isa == "portable":
         k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, [(0, 20)], seed=1)
         assert _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, 9, 3, 64) is None
-        pytest.skip(f"the prompt attention kernel runs on AMX only; the {isa} build declines it (checked)")
-    cpu_kernels.amx()
+        pytest.skip("the prompt attention kernels need AVX-512; the portable build declines them (checked)")
 
 
 @pytest.mark.parametrize(
@@ -400,7 +403,7 @@ def test_paged_prompt_attention_equals_causal_softmax_over_the_cache(
 ) -> None:
     """Chunks from scratch and over a cached prefix, odd lengths, starting inside a block, one row,
     several sequences' shuffled block tables in one cache: within bf16 of a float32 causal softmax."""
-    _amx_prompt_kernel(lib, isa)
+    _prompt_kernel(lib, isa)
     spans = [(0, 1), (0, 37), (21, 50), (5, 100), (300, 17), (0, 16), (16, 33)]
     k_cache, v_cache, tables, qkv = _prompt_case(heads, kv_heads, dim, spans, seed=heads * dim)
     for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
@@ -412,7 +415,7 @@ def test_paged_prompt_attention_equals_causal_softmax_over_the_cache(
 
 def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) -> None:
     """Blocks of 32 and 64 positions (16 keys of a tile always share one block)."""
-    _amx_prompt_kernel(lib, isa)
+    _prompt_kernel(lib, isa)
     spans = [(0, 45), (40, 70)]
     for bs in (32, 64):
         k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, spans, seed=bs, bs=bs)
@@ -425,17 +428,37 @@ def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) 
 
 
 def test_paged_prompt_attention_declines_what_it_cannot_run(lib: ctypes.CDLL, isa: str) -> None:
-    """Head size 128 or 48, or blocks of 8: nothing written, 0 returned (the decode kernel runs it)."""
-    _amx_prompt_kernel(lib, isa)
-    for dim, bs in ((128, 16), (48, 16), (64, 8)):
+    """What a kernel cannot take leaves nothing written and returns 0 (the decode kernel runs it):
+    on AMX head size 128 or 48, or blocks of 8; on the FMA kernel head sizes off multiples of 16 or
+    past 256."""
+    _prompt_kernel(lib, isa)
+    shapes = ((128, 16), (48, 16), (64, 8)) if isa == "amx" else ((40, 16), (72, 8), (272, 16))
+    for dim, bs in shapes:
         k_cache, v_cache, tables, qkv = _prompt_case(4, 2, dim, [(0, 20)], seed=dim)
         assert _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, 4, 2, dim, bs) is None
+
+
+def test_the_fma_prompt_kernel_takes_head_size_128_and_small_blocks(lib: ctypes.CDLL, isa: str) -> None:
+    """Without AMX the float32 kernel also takes head size 128 and blocks of 8 (it reads keys one by
+    one through the table): within bf16 of a float32 causal softmax."""
+    _prompt_kernel(lib, isa)
+    if isa == "amx":
+        pytest.skip("the AMX kernel declines these shapes (tested above)")
+    for dim, bs in ((128, 16), (64, 8), (128, 8)):
+        spans = [(0, 40), (13, 70)]
+        k_cache, v_cache, tables, qkv = _prompt_case(8, 2, dim, spans, seed=dim + bs, bs=bs)
+        for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
+            got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, 8, 2, dim, bs)
+            assert got is not None
+            _assert_causal_softmax(
+                got, chunk[:, : 8 * dim].reshape(rows, 8, dim), k_cache, v_cache, table, start, bs
+            )
 
 
 def test_a_prompt_gives_the_same_bits_however_it_is_chunked(lib: ctypes.CDLL, isa: str) -> None:
     """Key blocks at absolute positions, every step per row: one chunk of 700 rows, 256 + 256 + 188,
     and 1 + 99 + 333 + 267 (chunks off block boundaries) give identical rows."""
-    _amx_prompt_kernel(lib, isa)
+    _prompt_kernel(lib, isa)
     heads, kv_heads, dim = 9, 3, 64
     k_cache, v_cache, tables, qkv = _prompt_case(heads, kv_heads, dim, [(0, 700)], seed=5)
     whole = _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, heads, kv_heads, dim)

@@ -37,18 +37,24 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-s
 # where the compiler has no OpenMP the kernels build without it and run on the caller's thread.
 OPENMP = "-fopenmp"
 DISABLE_ENV = "TAILSERVE_CPU_KERNELS"  # "0" turns the kernels off (the torch path runs)
-ISA_ENV = "TAILSERVE_CPU_ISA"  # native (default) | amx | avx512bf16 | portable
-# What each ISA adds to -march=native on x86-64: AMX off for avx512bf16, all of AVX-512 (and so
+ISA_ENV = "TAILSERVE_CPU_ISA"  # native (default) | amx | avx512bf16 | avx512 | portable
+# What each ISA adds to -march=native on x86-64: AMX off for avx512bf16, AMX and AVX512-BF16 off
+# for avx512 (what a Xeon whose VM hides them, or an Ice Lake, runs), all of AVX-512 (and so
 # AMX, whose kernels need AVX512-BF16) off for portable. Elsewhere only native and portable exist,
 # and both are the plain -march=native build.
 ISA_FLAGS: dict[str, list[str]] = {
     "native": [],
     "amx": [],
     "avx512bf16": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
+    "avx512": ["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
     "portable": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],
 }
-ISA_CPU_FLAGS = {"amx": ("amx_tile", "amx_bf16", "avx512_bf16"), "avx512bf16": ("avx512_bf16",)}
-ISA_TILE = {"amx": 2, "avx512bf16": 1, "portable": 0}  # what ts_tile_isa must say under each
+ISA_CPU_FLAGS = {
+    "amx": ("amx_tile", "amx_bf16", "avx512_bf16"),
+    "avx512bf16": ("avx512_bf16",),
+    "avx512": ("avx512f", "avx512dq"),
+}
+ISA_TILE = {"amx": 2, "avx512bf16": 1, "avx512": 0, "portable": 0}  # what ts_tile_isa must say under each
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

@@ -252,7 +252,7 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
-#if defined(TS_AMX)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 /* 2^t for t < 127 (or very negative: 0): 2^floor(t) times a degree-4 fit of 2^f on f = t - floor(t)
  * in [0, 1) (relative error < 3e-6, far below P's bf16 rounding): six vector operations where the
  * degree-5 Taylor on |f| <= 1/2 it replaced took eight, in the prompt kernel's largest single cost. */
@@ -265,6 +265,9 @@ static inline __m512 exp2_512(__m512 t) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025f));
     return _mm512_scalef_ps(p, t); /* p 2^floor(t) */
 }
+#endif
+
+#if defined(TS_AMX)
 
 /* bf16(silu(g) * u) at p, 16 lanes: e = e^-g by exp2_512 (its exponent -g log2 e clamped to 126, so
  * e and 1 + e stay finite), the quotient g u / (1 + e) by a reciprocal estimate and one Newton step
@@ -1835,6 +1838,161 @@ static void prompt_tile_chunk(const void *arg, int64_t chunk) {
 }
 #endif
 
+/* --- Prompt attention without AMX: float32 FMAs, flash-attention style --------------------------
+ *
+ * Where the build has AVX-512 but no AMX (a Zen 4; a Xeon whose VM hides AMX and AVX512-BF16), the
+ * same tiling as the AMX kernel with float32 fused multiply-adds: 16 stacked rows (a chunk's rows x
+ * the query heads of one kv head) against key blocks of 32 at absolute positions 0, 32, 64, ..., the
+ * scores S^T one vector per key (16 rows' scores), softmax online per row. Before the tiles, each kv
+ * head's keys and values up to the context are widened once to float32 (zeros past it: a reused pool
+ * slot may hold NaN, and 0 x NaN is NaN). Per block: S^T[k] = sum over d of q^T[d] x K[k][d] (a
+ * broadcast), each row's maximum moves to the block's if larger (O and the sum rescaled by
+ * 2^(old - new), exactly 1 for rows it did not move), P = 2^(s - max) with masked keys exactly 0,
+ * O^T[d] += sum over k of P^T[k] x V[k][d]. Every sum runs in a fixed order and every step is per
+ * row, so a row's bits do not depend on the rows beside it, the chunk it came in, or the thread
+ * count. The per-row decode kernel it replaces for prompts runs a scalar exp per score and a
+ * horizontal sum per dot product: 1,600 rows x 30 layers of the default model, 2 threads of a
+ * 2-vCPU Xeon without AMX: 1,020 ms (docs/ENGINE.md, "CPUs without bf16 arithmetic"). */
+#if !defined(TS_AMX) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define TS_PROMPT_FMA 1
+#define PF_KEYS 32
+#define PF_MAX_DIM 256
+
+typedef struct {
+    const bf16 *q, *k_cache, *v_cache;
+    const int64_t *table;
+    int64_t q_stride, rows, start_pos, heads, kv_heads, dim, block_size, ctx, key_blocks, row_tiles;
+    float *kf, *vf; /* [kv_heads][key_blocks * PF_KEYS][dim], float32, zeros past ctx */
+    bf16 *out;
+    float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
+} fma_prompt_job;
+
+/* K and V of kv head g, key blocks 8 c .. 8 c + 7 of its share, widened to float32. */
+static void fma_prompt_widen_chunk(const void *arg, int64_t chunk) {
+    const fma_prompt_job *j = (const fma_prompt_job *)arg;
+    const int64_t per_head = (j->key_blocks + 7) / 8;
+    const int64_t g = chunk / per_head, kb0 = (chunk % per_head) * 8;
+    const int64_t kb1 = kb0 + 8 < j->key_blocks ? kb0 + 8 : j->key_blocks;
+    const int64_t dim = j->dim, kv_width = j->kv_heads * dim, bs = j->block_size;
+    for (int64_t key = kb0 * PF_KEYS; key < kb1 * PF_KEYS; key++) {
+        float *kd = j->kf + (g * j->key_blocks * PF_KEYS + key) * dim;
+        float *vd = j->vf + (g * j->key_blocks * PF_KEYS + key) * dim;
+        if (key >= j->ctx) {
+            memset(kd, 0, (size_t)dim * sizeof(float));
+            memset(vd, 0, (size_t)dim * sizeof(float));
+            continue;
+        }
+        const int64_t slot = j->table[key / bs] * bs + key % bs;
+        const bf16 *kr = j->k_cache + slot * kv_width + g * dim, *vr = j->v_cache + slot * kv_width + g * dim;
+        for (int64_t d = 0; d < dim; d += 16) {
+            _mm512_store_ps(kd + d, load16_bf16(kr + d));
+            _mm512_store_ps(vd + d, load16_bf16(vr + d));
+        }
+    }
+}
+
+/* S^T of keys k0 .. k0 + 15 (float32 rows kh, dim apart) for the tile's 16 rows into s. */
+static inline __attribute__((always_inline)) void fma_prompt_scores(const float *qt, const float *kh, int64_t dim,
+                                                                    float *s) {
+    __m512 acc[16];
+    for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        const __m512 qd = _mm512_load_ps(qt + 16 * d);
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kh[k * dim + d]), acc[k]);
+    }
+    for (int k = 0; k < 16; k++) _mm512_store_ps(s + 16 * k, acc[k]);
+}
+
+/* O^T[d0 .. d0 + 15] (16 rows each, in o) rescaled by alpha, plus the nk keys' P^T (in s) times
+ * their values (float32 rows vk, dim apart). */
+static inline __attribute__((always_inline)) void fma_prompt_values(float *o, const float *s, const float *vk,
+                                                                    int64_t dim, int64_t d0, int64_t nk,
+                                                                    __m512 alpha) {
+    __m512 acc[16];
+    for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_mul_ps(_mm512_load_ps(o + 16 * (d0 + dd)), alpha);
+    for (int64_t k = 0; k < nk; k++) {
+        const __m512 p = _mm512_load_ps(s + 16 * k);
+        const float *v = vk + k * dim + d0;
+        for (int dd = 0; dd < 16; dd++) acc[dd] = _mm512_fmadd_ps(p, _mm512_set1_ps(v[dd]), acc[dd]);
+    }
+    for (int dd = 0; dd < 16; dd++) _mm512_store_ps(o + 16 * (d0 + dd), acc[dd]);
+}
+
+/* 16 stacked rows (row tile t) of kv head g over every key block they see. */
+static void fma_prompt_tile(const fma_prompt_job *j, int64_t g, int64_t t) {
+    const int64_t group = j->heads / j->kv_heads, dim = j->dim, stacked = j->rows * group;
+    float qt[PF_MAX_DIM * 16] __attribute__((aligned(64)));
+    float o[PF_MAX_DIM * 16] __attribute__((aligned(64)));
+    float s[PF_KEYS * 16] __attribute__((aligned(64)));
+    int32_t pos[16];
+    int64_t min_pos = INT64_MAX, max_pos = -1;
+    for (int64_t m = 0; m < 16; m++) {
+        const int64_t r = 16 * t + m;
+        if (r >= stacked) { /* padding: every key masked, never written */
+            pos[m] = -1;
+            for (int64_t d = 0; d < dim; d++) qt[16 * d + m] = 0.0f;
+            continue;
+        }
+        const int64_t i = r / group, h = g * group + r % group;
+        pos[m] = (int32_t)(j->start_pos + i);
+        min_pos = pos[m] < min_pos ? pos[m] : min_pos;
+        max_pos = pos[m] > max_pos ? pos[m] : max_pos;
+        const bf16 *row = j->q + i * j->q_stride + h * dim;
+        for (int64_t d = 0; d < dim; d++) qt[16 * d + m] = bf16_to_f32(row[d]) * j->scale_log2;
+    }
+    memset(o, 0, (size_t)(16 * dim) * sizeof(float));
+    const __m512i posv = _mm512_loadu_si512(pos);
+    const __m512 masked = _mm512_set1_ps(-1e30f);
+    __m512 top = masked, sum = _mm512_setzero_ps();
+    const float *kf = j->kf + g * j->key_blocks * PF_KEYS * dim, *vf = j->vf + g * j->key_blocks * PF_KEYS * dim;
+    const int64_t blocks = max_pos / PF_KEYS + 1;
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        const int64_t k0 = kb * PF_KEYS;
+        const int64_t nk = k0 + 16 <= max_pos ? PF_KEYS : 16; /* the upper 16 keys: only if some row sees one */
+        const int diagonal = k0 + PF_KEYS - 1 > min_pos;      /* keys past some row's position: masked for it */
+        fma_prompt_scores(qt, kf + k0 * dim, dim, s);
+        if (nk == PF_KEYS) fma_prompt_scores(qt, kf + (k0 + 16) * dim, dim, s + 256);
+        __m512 block_top = masked;
+        for (int64_t k = 0; k < nk; k++) {
+            const __mmask16 sees =
+                diagonal ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT) : 0xffff;
+            block_top = _mm512_mask_max_ps(block_top, sees, block_top, _mm512_load_ps(s + 16 * k));
+        }
+        const __m512 fresh = _mm512_max_ps(top, block_top);
+        const __m512 alpha = exp2_512(_mm512_sub_ps(top, fresh)); /* 1 where the maximum stayed */
+        top = fresh;
+        __m512 part = _mm512_setzero_ps();
+        for (int64_t k = 0; k < nk; k++) {
+            __m512 p = exp2_512(_mm512_sub_ps(_mm512_load_ps(s + 16 * k), top));
+            if (diagonal) /* a masked key weighs exactly 0 */
+                p = _mm512_maskz_mov_ps(_mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + k)), _MM_CMPINT_NLT), p);
+            _mm512_store_ps(s + 16 * k, p);
+            part = _mm512_add_ps(part, p);
+            __asm__("" : "+v"(part)); /* key order, whatever -ffast-math would re-associate */
+        }
+        sum = _mm512_fmadd_ps(sum, alpha, part);
+        for (int64_t d0 = 0; d0 < dim; d0 += 16) fma_prompt_values(o, s, vf + k0 * dim, dim, d0, nk, alpha);
+    }
+    float inv[16];
+    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(sum, _mm512_set1_ps(FLT_MIN))));
+    for (int64_t m = 0; m < 16 && 16 * t + m < stacked; m++) {
+        const int64_t r = 16 * t + m, i = r / group, h = g * group + r % group;
+        bf16 *dst = j->out + (i * j->heads + h) * dim;
+        for (int64_t d = 0; d < dim; d++) dst[d] = f32_to_bf16(o[16 * d + m] * inv[m]);
+    }
+}
+
+/* A few row tiles of one kv head, heaviest first (the last rows see the most keys). */
+#define PF_TILES_PER_CHUNK 4
+static void fma_prompt_tile_chunk(const void *arg, int64_t chunk) {
+    const fma_prompt_job *j = (const fma_prompt_job *)arg;
+    const int64_t per_head = (j->row_tiles + PF_TILES_PER_CHUNK - 1) / PF_TILES_PER_CHUNK;
+    const int64_t g = chunk / per_head, first = (chunk % per_head) * PF_TILES_PER_CHUNK;
+    for (int64_t n = first; n < first + PF_TILES_PER_CHUNK && n < j->row_tiles; n++)
+        fma_prompt_tile(j, g, j->row_tiles - 1 - n);
+}
+#endif
+
 int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
                               const int64_t *block_table, int64_t rows, int64_t start_pos, bf16 *out, int64_t heads,
                               int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
@@ -1849,6 +2007,20 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
                             block_size, ctx, key_blocks, row_tiles, 8, vt, out, scale * 1.44269504088896341f};
     parallel_chunks(prompt_repack_chunk, &job, kv_heads * ((key_blocks + 7) / 8));
     parallel_chunks(prompt_tile_chunk, &job, kv_heads * ((row_tiles + PA_TILES_PER_CHUNK - 1) / PA_TILES_PER_CHUNK));
+    return 1;
+#elif defined(TS_PROMPT_FMA)
+    if (dim % 16 != 0 || dim > PF_MAX_DIM || rows < 1 || heads % kv_heads != 0) return 0;
+    const int64_t ctx = start_pos + rows, key_blocks = (ctx + PF_KEYS - 1) / PF_KEYS;
+    const int64_t row_tiles = (rows * (heads / kv_heads) + 15) / 16;
+    static __thread scratch_buf widened_scratch; /* the caller's; its chunks write disjoint parts */
+    const size_t per = (size_t)(kv_heads * key_blocks * PF_KEYS * dim);
+    float *kf = (float *)scratch_grow(&widened_scratch, 2 * per * sizeof(float));
+    if (kf == NULL) abort();
+    const fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
+                                block_size, ctx, key_blocks, row_tiles, kf, kf + per, out,
+                                scale * 1.44269504088896341f};
+    parallel_chunks(fma_prompt_widen_chunk, &job, kv_heads * ((key_blocks + 7) / 8));
+    parallel_chunks(fma_prompt_tile_chunk, &job, kv_heads * ((row_tiles + PF_TILES_PER_CHUNK - 1) / PF_TILES_PER_CHUNK));
     return 1;
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_table, (void)rows, (void)start_pos, (void)out;

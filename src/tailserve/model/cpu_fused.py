@@ -6,9 +6,9 @@ add), qkv matmul, RoPE + KV write in place, paged decode attention read straight
 matmul, residual add + norm, gate|up matmul, SiLU x up, down matmul, residual add + the next
 layer's norm. Prompt rows take the same kernels but attention: once RoPE has written a chunk's K/V
 into the cache, the chunk's rows attend over it causally (a row at position p sees the first p + 1),
-on AMX tiles flash-attention style (ts_paged_prompt_attention) where the CPU has them and the chunk
-has PROMPT_KERNEL_MIN_ROWS rows, else as one decode query each with that length (exact softmax
-either way). Same weights and formats as the torch path; every kernel is row-wise, so a row's result
+flash-attention style (ts_paged_prompt_attention: on AMX tiles where the CPU has them, else on
+float32 FMAs where it has AVX-512) when the chunk has PROMPT_KERNEL_MIN_ROWS rows, else as one decode
+query each with that length (exact softmax either way). Same weights and formats as the torch path; every kernel is row-wise, so a row's result
 does not depend on its batch, nor on its chunk while chunks keep to one attention kernel. A step of
 prompt rows only (no decodes) calls the same kernels from one loop with raw pointers, and a step of
 decode rows only runs them all from one C call (ts_decode_layers): bit for bit the same.
@@ -35,8 +35,9 @@ PROMPT_KERNEL_MIN_ROWS = 8
 # Bumped when what this forward computes changes (so the quality gate re-measures): 2 = prompt
 # attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN; 3 = prompt
 # attention on the AMX flash kernel (ts_paged_prompt_attention) where it runs; 4 = SiLU x up on
-# AVX-512 (e^x by polynomial, not expf: a rare last-bit difference after bf16 rounding).
-FORWARD_REVISION = 4
+# AVX-512 (e^x by polynomial, not expf: a rare last-bit difference after bf16 rounding); 5 = prompt
+# attention on the float32 FMA flash kernel where AVX-512 runs without AMX (was the decode kernel).
+FORWARD_REVISION = 5
 
 
 def attach(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
@@ -146,7 +147,7 @@ class FusedCpuForward:
                     ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), rows,
                     start_pos, ptr(attn[q_start:]), heads, kv_heads, hd, meta.block_size, self.scale,
                 ):  # fmt: skip
-                    continue  # AMX ran it; elsewhere (or a shape it does not take) each row is a decode query
+                    continue  # a prompt kernel ran it; elsewhere (or a shape it does not take) each row is a decode query
                 lib.ts_paged_decode_attention(
                     ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), 0,
                     ptr(prompt_lens), ptr(attn[q_start:]), rows, heads, kv_heads, hd, meta.block_size, self.scale,
