@@ -13,7 +13,9 @@ head, 576->49,152, apart) at a few rows, and first checks both builds give the s
 one. `--decode-attention` times a decode step's attention (`ts_paged_decode_attention`, the 30
 layers' own K/V pools in shuffled 16-slot blocks, --seqs sequences of --keys keys each) and first
 checks that each build is within bf16 of a float64 softmax attention (their bits may differ: the
-segmented kernel rounds in another order). Needs AMX. Never beside another measurement.
+segmented kernel rounds in another order). The matmul and decode modes need AMX; the attention
+modes run anywhere (a build whose prompt kernel declines on this CPU is timed as served: each row a
+decode query). Never beside another measurement.
 
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 2   # ~30 s
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --attention --rows 256 512 1600
@@ -46,11 +48,11 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # the default model's attention, the server's block size
 
 
-def build(source: Path, out: Path) -> ctypes.CDLL:
+def build(source: Path, out: Path, need_amx: bool = True) -> ctypes.CDLL:
     cc = ["cc", *cpu_kernels.FLAGS, cpu_kernels.OPENMP, str(source), "-o", str(out), "-lm"]
     subprocess.run(cc, check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
-    if lib.ts_amx_init() != 1:
+    if lib.ts_amx_init() != 1 and need_amx:
         raise SystemExit("needs AMX tile data (Intel Sapphire Rapids or later)")
     lib.ts_q4_prefill_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     lib.ts_q4_prefill_silu_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
@@ -93,8 +95,13 @@ def attention_s(lib: ctypes.CDLL, inputs: tuple[torch.Tensor, ...], start: int, 
         BLOCK,
         HEAD_DIM**-0.5,
     )
-    if ran != 1:
-        raise SystemExit("the prompt attention declined (needs AMX)")
+    if ran != 1:  # a build without a prompt kernel for this CPU: each row a decode query, as served
+        lens = torch.arange(start + 1, start + rows + 1, dtype=torch.int64)
+        begin = time.perf_counter()
+        lib.ts_paged_decode_attention(
+            qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), 0,
+            lens.data_ptr(), out.data_ptr(), rows, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM**-0.5,
+        )  # fmt: skip
     return time.perf_counter() - begin
 
 
@@ -404,9 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_src = Path(tmp) / "base.c"
         show = ["git", "show", f"{args.base}:src/tailserve/kernels/cpu_kernels.c"]
         base_src.write_text(subprocess.run(show, cwd=ROOT, check=True, capture_output=True, text=True).stdout)
+        need_amx = not (args.attention or args.decode_attention)
         libs = {
-            args.base: build(base_src, Path(tmp) / "base.so"),
-            "HEAD": build(cpu_kernels.SOURCE, Path(tmp) / "head.so"),
+            args.base: build(base_src, Path(tmp) / "base.so", need_amx),
+            "HEAD": build(cpu_kernels.SOURCE, Path(tmp) / "head.so", need_amx),
         }
         for lib in libs.values():
             lib.ts_set_threads(args.threads)
