@@ -27,7 +27,13 @@ from tailserve.engine.llm_engine import LLMEngine
 from tailserve.engine.request import SamplingParams
 
 GROUPS = {
-    "int4 matmuls": ("ts_q4_prefill_matmul", "ts_q4_prefill_silu_matmul", "ts_q4_matmul", "ts_q8_matmul"),
+    "int4 matmuls": (
+        "ts_q4_prefill_matmul",
+        "ts_q4_prefill_silu_matmul",
+        "ts_q4_matmul",
+        "ts_q8_matmul",
+        "ts_q4a8_prefill_matmul",
+    ),
     "prompt attention": ("ts_paged_prompt_attention", "ts_paged_decode_attention"),
     "SiLU x up": ("ts_silu_mul",),
     "norms": ("ts_rms_norm", "ts_add_rms_norm"),

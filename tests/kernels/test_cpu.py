@@ -22,10 +22,13 @@ from tailserve.model.plans import build_model
 from tailserve.model.sampler import SamplingSpec
 from tailserve.model.transformer import _rotate
 from tailserve.weights.formats import (
+    Int4Groups,
     int4_from_blocks,
+    int4_from_float,
     int8_groups_from_blocks,
     pack_amx_int4,
     pack_amx_int8,
+    pack_vnni_int4,
 )
 from tailserve.weights.loader import LoadedModel
 from tests.weights.test_formats import _assert_within_bf16, _blocks
@@ -470,6 +473,71 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked(lib: ctypes.CDLL, is
             got = _prompt_attention(lib, chunk, k_cache, v_cache, tables[0], start, heads, kv_heads, dim)
             assert got is not None and torch.equal(got, whole[start : start + rows]), (splits, start)
             start += rows
+
+
+def _int8_dot_reference(
+    x: torch.Tensor, groups: Int4Groups, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, |terms|) in float64 of the int4a8 rule: x rounded to int8 per row and group of 32 (the
+    group's largest |x| to 127, in float32 as the kernel does, ties to even), times the groups'
+    exact weights; |terms| sums the magnitudes of each group's two parts, the codes' and the min's,
+    which the kernel adds in float32 (they cancel where one activation is far above its group)."""
+    m, k = x.shape
+    xg = x.float().view(m, k // 32, 32)
+    top = xg.abs().amax(-1, keepdim=True)
+    # a true division: `127.0 / top` is 127 x (1 / top) in torch, rounded twice
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    xq = (xg * inv).round().double()
+    d = (top / 127.0).double()
+    codes = torch.from_numpy(groups.codes).double().view(-1, k // 32, 32)
+    scale = torch.from_numpy(groups.scale).double()
+    low = torch.from_numpy(groups.zero).double() - 8.0 * scale
+    dots = torch.einsum("mgk,ngk->mng", xq, codes)
+    d = d.squeeze(-1)[:, None, :]
+    codes_term, min_term = d * scale[None] * dots, d * low[None] * xq.sum(-1)[:, None, :]
+    y = (codes_term + min_term).sum(-1) + (0.0 if bias is None else bias.double())
+    return y, (codes_term.abs() + min_term.abs()).sum(-1)
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (960, 576), (576, 1536)])
+def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
+    lib: ctypes.CDLL, isa: str, n: int, k: int
+) -> None:
+    """ts_q4a8_prefill_matmul (AVX512-VNNI): the exact product of the int4 groups and the activations
+    rounded to int8 per group of 32, up to float32 sums and the output's bf16 rounding; activations
+    with an outlier channel; a row's bits the same alone, in any batch and at 1 or 2 threads. The
+    portable build declines, writing nothing."""
+    g = torch.Generator().manual_seed(n + k)
+    groups = int4_from_float(torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(67, k, generator=g) * 2
+    x[:, 5] *= 80  # one channel far above the rest, as real prompt activations have
+    x = x.to(torch.bfloat16)
+    if lib.ts_vnni() != 1:
+        out = torch.zeros(4, 48, dtype=torch.bfloat16)
+        codes = torch.zeros(3 * 24 * 64, dtype=torch.uint8)
+        ran = lib.ts_q4a8_prefill_matmul(
+            ptr(x), 4, 96, ptr(codes), ptr(torch.zeros(3 * 3 * 16)), ptr(torch.zeros(3 * 3 * 16)), None, 48, ptr(out)
+        )  # fmt: skip
+        assert ran == 0 and not out.any()
+        pytest.skip(f"the {isa} build has no AVX512-VNNI: it declines (checked)")
+    packed = pack_vnni_int4(groups, lib, bias.float())
+    got = packed.matmul(x)
+    want, scale = _int8_dot_reference(x, groups, bias.float())
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2**-8 + scale * 2**-20
+    assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max():.3g}"
+    alone = torch.cat([packed.matmul(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
+    assert torch.equal(alone, got)
+    assert torch.equal(packed.matmul(x[7:50].contiguous()), got[7:50])
+    before = lib.ts_threads()
+    try:
+        lib.ts_set_threads(1)
+        one = packed.matmul(x)
+        lib.ts_set_threads(2)
+        assert torch.equal(one, got) and torch.equal(packed.matmul(x), got)
+    finally:
+        lib.ts_set_threads(before)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])

@@ -8,6 +8,7 @@ import torch
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig
 from tailserve.engine import LLM, SamplingParams
+from tailserve.model.linear import Linear
 from tailserve.model.plans import build_model, plan_for
 from tailserve.weights.loader import LoadedModel, load_model
 
@@ -88,6 +89,7 @@ def test_cpus_without_bf16_run_prompt_rows_on_a_float32_copy(monkeypatch: pytest
     from tailserve.kernels import cpu as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "vnni", lambda: None)  # the int8 dot-product kernel: tested below
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
     assert plan_for("int4", CPU).prefill == "bf16"
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
@@ -107,3 +109,28 @@ def test_cpus_without_bf16_run_prompt_rows_on_a_float32_copy(monkeypatch: pytest
     assert make_lane(runner) is None
     fp32 = ModelRunner(build_model(loaded, "fp32", CPU, 64), 16, 16, CPU, num_threads=2)
     assert make_lane(fp32) is not None  # the rule is the float32 copy's, not the thread count's
+
+
+def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With AVX512-VNNI and no bf16 arithmetic, int4's prompt rows run the file's groups times int8
+    activations (`int4a8`): no dense copy is kept, int8 keeps the float32 copy, and since the kernel's
+    sums are integers (its rows' bits the same at any thread count) the engine opens a prefill lane."""
+    from tailserve.engine.llm_engine import make_lane
+    from tailserve.executor.runner import ModelRunner
+    from tailserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.vnni() is None:
+        pytest.skip("the kernels here have no AVX512-VNNI build (the portable build, or no compiler)")
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    assert [plan_for(f, CPU).prefill for f in ("int4", "int8", "bf16")] == ["int4a8", "fp32w", "bf16"]
+    loaded = load_model("dummy:tiny", torch.float32)
+    model = build_model(loaded, "int4", CPU, 64)
+    linears = model.prompt_linears()
+    assert all(linear.weight is None and linear.vnni4 is not None for linear in linears)
+    dense = build_model(loaded, "int8", CPU, 64)
+    assert sum(map(Linear.weight_bytes, linears)) * 2 < sum(map(Linear.weight_bytes, dense.prompt_linears()))
+    runner = ModelRunner(model, 16, 16, CPU, kv_dtype=torch.bfloat16, num_threads=2)
+    assert make_lane(runner) is not None

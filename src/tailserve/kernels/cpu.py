@@ -71,6 +71,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_q4_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_q4_prefill_silu_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_pack_q4": [_P, _I, _I, _P],
+    "ts_q4a8_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
     "ts_decode_layers": [_P, _I, *[_P] * 7, *[_I] * 6, *[_P] * 5, _I, _P, _I, _F, _F],
 }
@@ -184,6 +185,8 @@ def load() -> ctypes.CDLL | None:
     lib.ts_amx_init.restype = ctypes.c_int
     lib.ts_paged_prompt_attention.restype = ctypes.c_int  # 1: ran (AMX); 0: nothing written
     lib.ts_tile_isa.restype = ctypes.c_int
+    lib.ts_vnni.restype = ctypes.c_int
+    lib.ts_q4a8_prefill_matmul.restype = ctypes.c_int  # 1: ran (VNNI); 0: nothing written
     lib.ts_set_threads.argtypes = [ctypes.c_int]
     lib.ts_set_threads.restype = ctypes.c_int
     lib.ts_threads.restype = ctypes.c_int
@@ -227,6 +230,13 @@ def amx() -> ctypes.CDLL | None:
 def tile_matmuls() -> ctypes.CDLL | None:
     """The kernels if their int4 layer and Q8_0 head matmuls run here (on AMX or AVX512-BF16)."""
     return load() if tile_isa() > 0 else None
+
+
+def vnni() -> ctypes.CDLL | None:
+    """The kernels if their int8 dot-product prompt rows (ts_q4a8_prefill_matmul) run here: built
+    with AVX512-VNNI (not in the portable build)."""
+    lib = load()
+    return lib if lib is not None and lib.ts_vnni() == 1 else None
 
 
 # Flags of CPUs that compute bf16 themselves (x86 AVX512-BF16 or AMX, Arm's BF16 extension).

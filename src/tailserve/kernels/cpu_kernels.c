@@ -2029,6 +2029,162 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
 #endif
 }
 
+/* --- Prompt rows on int8 dot products (VNNI), where the CPU has no bf16 arithmetic ----------------
+ *
+ * A CPU with AVX512-VNNI but neither AMX nor AVX512-BF16 (Ice Lake; a Xeon VM that hides both) runs
+ * torch's bf16 GEMM emulated (~60 GFLOP/s on 2 vCPUs) and its float32 GEMM at ~290, while
+ * VPDPBUSD multiplies 64 byte pairs an instruction. So prompt rows go through the file's int4
+ * groups as they are, times the activations rounded to int8 per row and group of 32 inputs (the
+ * scheme of llama.cpp's Q4_1 x Q8_1 dot products):
+ *   x[m, k] ~ xq[m, k] * d[m, g]   (d = the group's largest |x| / 127, xq rounded to nearest, |xq| <= 127)
+ *   y[m, n] = sum over g of d[m, g] (scale[n, g] (sum over the group of code[n, k] xq[m, k])
+ *                                   + min[n, g] (sum over the group of xq[m, k]))   (+ bias[n])
+ * with w = scale * code + min the groups' exact weights: the exact product of the weights and the
+ * rounded activations. Both sums over a group are integers (exact, any order); the groups are
+ * added in order in float32 and the result rounded once to bf16. (The min term over the exact x
+ * instead, tried first, multiplies each activation's rounding error by scale * code, 0 .. 15
+ * scales, not by the weight itself, centred on 0: the quality gate's prompt rows fell to 90%.) Every step is per row and
+ * output, so a row's bits do not depend on the rows beside it or the thread count (which lets a
+ * prefill lane run over it). Codes laid out per 16 outputs and k-quad c: lane j holds codes (j,
+ * 4c .. 4c + 3), 64 bytes (ts_pack_q4a8); scale and min float32 [N/16, K/32, 16] as ts_q4_matmul's. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define TS_VNNI 1
+#define QA_ROWS 60   /* rows of a job chunk: ten blocks of 6 */
+#define QA_TILES 4   /* 16-output tiles of a job chunk */
+
+typedef struct {
+    const bf16 *x;
+    int8_t *xq;
+    float *d, *xsum;
+    int64_t k, groups;
+} qa_quant_args;
+
+/* Rows r0 .. r1 - 1 of x rounded to int8 per group of 32, with each group's d and exact sum. */
+static void qa_quant_rows(const void *arg, int64_t r0, int64_t r1) {
+    const qa_quant_args *a = (const qa_quant_args *)arg;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < a->groups; g++) {
+            const bf16 *src = a->x + r * a->k + 32 * g;
+            const __m512 lo = load16_bf16(src), hi = load16_bf16(src + 16);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            int8_t *dst = a->xq + r * a->k + 32 * g;
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+            const float d = top / 127.0f;
+            a->d[r * a->groups + g] = d;
+            a->xsum[r * a->groups + g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        }
+}
+
+typedef struct {
+    const int8_t *xq;
+    const float *d, *xsum;
+    const uint8_t *w;
+    const float *scale, *min;
+    const bf16 *bias;
+    bf16 *out;
+    int64_t rows, k, groups, n_out, tiles, tile_blocks;
+} qa_job;
+
+/* Rows m .. m + MR - 1 x tiles t .. t + NT - 1 of the output, every group in order. */
+static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int64_t t, int64_t m, const int MR,
+                                                           const int NT) {
+    const int64_t k = j->k, groups = j->groups, tile_bytes = (k / 4) * 64;
+    __m512 out[6][2];
+    for (int i = 0; i < MR; i++)
+        for (int u = 0; u < NT; u++) out[i][u] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i acc[6][2];
+        for (int i = 0; i < MR; i++)
+            for (int u = 0; u < NT; u++) acc[i][u] = _mm512_setzero_si512();
+        const uint8_t *w = j->w + t * tile_bytes + g * 8 * 64;
+        const int8_t *xg = j->xq + m * k + 32 * g;
+        for (int c = 0; c < 8; c++) {
+            __m512i wv[2];
+            for (int u = 0; u < NT; u++) wv[u] = _mm512_loadu_si512(w + u * tile_bytes + 64 * c);
+            for (int i = 0; i < MR; i++) {
+                int32_t quad;
+                memcpy(&quad, xg + i * k + 4 * c, 4);
+                const __m512i xb = _mm512_set1_epi32(quad);
+                for (int u = 0; u < NT; u++) acc[i][u] = _mm512_dpbusd_epi32(acc[i][u], wv[u], xb);
+            }
+        }
+        for (int u = 0; u < NT; u++) {
+            const __m512 sc = _mm512_loadu_ps(j->scale + ((t + u) * groups + g) * 16);
+            const __m512 mn = _mm512_loadu_ps(j->min + ((t + u) * groups + g) * 16);
+            for (int i = 0; i < MR; i++) {
+                const __m512 sd = _mm512_mul_ps(sc, _mm512_set1_ps(j->d[(m + i) * groups + g]));
+                out[i][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][u]), sd, out[i][u]);
+                out[i][u] = _mm512_fmadd_ps(mn, _mm512_set1_ps(j->xsum[(m + i) * groups + g]), out[i][u]);
+            }
+        }
+    }
+    for (int u = 0; u < NT; u++) {
+        const __m512 b = j->bias == NULL ? _mm512_setzero_ps() : load16_bf16(j->bias + (t + u) * 16);
+        for (int i = 0; i < MR; i++) store16_bf16(j->out + (m + i) * j->n_out + (t + u) * 16, _mm512_add_ps(out[i][u], b));
+    }
+}
+
+static void qa_chunk(const void *arg, int64_t chunk) {
+    const qa_job *j = (const qa_job *)arg;
+    const int64_t tb = chunk % j->tile_blocks, rb = chunk / j->tile_blocks;
+    const int64_t t0 = tb * QA_TILES, t1 = t0 + QA_TILES < j->tiles ? t0 + QA_TILES : j->tiles;
+    const int64_t m0 = rb * QA_ROWS, m1 = m0 + QA_ROWS < j->rows ? m0 + QA_ROWS : j->rows;
+    for (int64_t t = t0; t < t1; t += 2) {
+        const int pair = t + 1 < t1;
+        int64_t m = m0;
+        for (; m + 6 <= m1; m += 6) {
+            if (pair) qa_block(j, t, m, 6, 2);
+            else qa_block(j, t, m, 6, 1);
+        }
+        for (; m + 2 <= m1; m += 2) {
+            if (pair) qa_block(j, t, m, 2, 2);
+            else qa_block(j, t, m, 2, 1);
+        }
+        for (; m < m1; m++) {
+            if (pair) qa_block(j, t, m, 1, 2);
+            else qa_block(j, t, m, 1, 1);
+        }
+    }
+}
+
+static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
+#endif
+
+int ts_vnni(void) {
+#if defined(TS_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, n_out] bf16 = x [rows, k] bf16 through the int4 groups, the activations rounded to
+ * int8 per group of 32 (see above); n_out and k multiples of 16 and 32. Returns 0 (nothing
+ * written) where the build has no VNNI. */
+int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                           const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
+#if defined(TS_VNNI)
+    const int64_t groups = k / 32, tiles = n_out / 16;
+    const size_t xq_bytes = (size_t)(rows * k + 63) / 64 * 64;
+    uint8_t *buf = (uint8_t *)scratch_grow(&qa_scratch, xq_bytes + 2 * (size_t)(rows * groups) * sizeof(float));
+    if (buf == NULL) abort();
+    int8_t *xq = (int8_t *)buf;
+    float *d = (float *)(buf + xq_bytes), *xsum = d + rows * groups;
+    const qa_quant_args qa = {x, xq, d, xsum, k, groups};
+    parallel_rows(qa_quant_rows, &qa, rows, k);
+    const int64_t tile_blocks = (tiles + QA_TILES - 1) / QA_TILES;
+    const qa_job job = {xq, d, xsum, codes, scale, min, bias, out, rows, k, groups, n_out, tiles, tile_blocks};
+    parallel_chunks(qa_chunk, &job, tile_blocks * ((rows + QA_ROWS - 1) / QA_ROWS));
+    return 1;
+#else
+    (void)x, (void)rows, (void)k, (void)codes, (void)scale, (void)min, (void)bias, (void)n_out, (void)out;
+    return 0;
+#endif
+}
+
 /* Lay int4 codes [n_out, k] (one code a byte, 0..15; n_out a multiple of 16, k of 32) out as
  * ts_q4_matmul reads them: per 16 outputs and k-quad c, byte 2j = code(j, 4c) | code(j, 4c + 2) << 4,
  * byte 2j + 1 = code(j, 4c + 1) | code(j, 4c + 3) << 4. One pass (start-up packs every layer). */

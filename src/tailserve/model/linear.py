@@ -19,12 +19,14 @@ from tailserve.weights.formats import (
     Int4Groups,
     PackedInt4,
     PackedInt8,
+    VnniInt4,
     concat_int4,
     int4_from_float,
     int8_from_float,
     pack_amx_int4,
     pack_int4,
     pack_int8,
+    pack_vnni_int4,
 )
 
 KERNELS = ("fp32", "bf16", "int4", "int8")
@@ -77,9 +79,10 @@ class Linear(nn.Module):
         # Opt-in and batch-dependent: steps with at least this many decode rows run them dense too.
         self.dense_decode_from_rows = dense_decode_from_rows
         amx_prefill = prefill == "int4"  # prompt rows on the AMX kernel from the int4 groups, no dense copy
+        vnni_prefill = prefill == "int4a8"  # int8 dot products over the same groups, no dense copy either
         if (
             decode not in KERNELS
-            or (prefill not in _DENSE_DTYPES and not (amx_prefill and decode == "int4"))
+            or (prefill not in _DENSE_DTYPES and not ((amx_prefill or vnni_prefill) and decode == "int4"))
             or (prefill == "fp32") != (decode == "fp32")
         ):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
@@ -89,7 +92,7 @@ class Linear(nn.Module):
         # The dense copy serves prefill rows (and decode rows when decode is dense too); with
         # prefill int4 the prompt rows widen the int4 groups to bf16 on the fly instead.
         self.weight: nn.Parameter | None = None
-        if not amx_prefill:
+        if not amx_prefill and not vnni_prefill:
             self.weight = nn.Parameter(source.dense.to(_DENSE_DTYPES[prefill]), requires_grad=False)
         # int4 runs on the fused kernels' tile matmul where it can (AMX or AVX512-BF16; exact to the
         # groups' float32 scales), else on torch's int4 kernel (scales rounded to bf16). One of the
@@ -103,6 +106,12 @@ class Linear(nn.Module):
             self.int4 = pack_int4(groups) if self.amx4 is None else None
         if amx_prefill and (self.amx4 is None or cpu_kernels.amx() is None):
             raise ValueError("prefill int4 needs the fused CPU kernels with AMX")
+        self.vnni4: VnniInt4 | None = None
+        if vnni_prefill:
+            vnni = cpu_kernels.vnni()
+            if vnni is None:
+                raise ValueError("prefill int4a8 needs the fused CPU kernels with AVX512-VNNI")
+            self.vnni4 = pack_vnni_int4(source.int4_groups(), vnni, bias)
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
         self.bias = (
             None if bias is None else nn.Parameter(bias.to(self.activation_dtype), requires_grad=False)
@@ -136,7 +145,10 @@ class Linear(nn.Module):
         )
 
     def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] contiguous through the prompt-row kernel: the dense copy, or the AMX int4 widening."""
+        """x [M, K] contiguous through the prompt-row kernel: the dense copy, the AMX int4 widening,
+        or int8 dot products over the int4 groups (`int4a8`)."""
+        if self.vnni4 is not None:
+            return self.vnni4.matmul(x)
         if self.weight is None:
             assert self.amx4 is not None
             return self.amx4.prefill_matmul(x)
@@ -193,4 +205,6 @@ class Linear(nn.Module):
             kept += [self.int8.codes, self.int8.scale]
         if self.onednn is not None:
             kept.append(self.onednn)
+        if self.vnni4 is not None:
+            kept += [self.vnni4.codes, self.vnni4.scale, self.vnni4.min]
         return sum(t.numel() * t.element_size() for t in kept)

@@ -76,8 +76,9 @@ def plan_for(
     if cpu and prefill == "bf16" and plan.decode != "bf16" and not cpu_kernels.native_bf16():
         # The dense copy only serves prompt rows here: float32 runs them ~4.5x faster than torch's
         # emulated bf16 GEMM (docs/ENGINE.md, "CPUs without bf16 arithmetic"), for the same memory
-        # as the bf16 copy and its oneDNN-packed twin.
-        prefill = "fp32w"
+        # as the bf16 copy and its oneDNN-packed twin. int4 with AVX512-VNNI goes further: its
+        # groups times int8-rounded activations on int8 dot products (`int4a8`), no dense copy.
+        prefill = "int4a8" if plan.decode == "int4" and cpu_kernels.vnni() is not None else "fp32w"
     return FormatPlan(plan.decode, prefill, head, dense_decode_from_rows)
 
 

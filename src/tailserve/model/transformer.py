@@ -47,7 +47,8 @@ class FormatPlan:
 
     decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
     # layer linears on prefill rows: fp32, bf16, fp32w (bf16 activations on a float32 weight copy,
-    # for CPUs without bf16 arithmetic) or int4 (AMX: groups widened to bf16)
+    # for CPUs without bf16 arithmetic), int4 (AMX: groups widened to bf16) or int4a8 (the int4
+    # groups times activations rounded to int8 per group of 32, on VNNI, for CPUs without bf16)
     prefill: str
     head: str  # the LM head, every sampled row: fp32, bf16, int8, q8 (int4 offered, hurts quality)
     # Opt-in, never a default: steps with at least this many decode rows run them on the prefill

@@ -325,6 +325,50 @@ def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | Non
 
 
 @dataclass
+class VnniInt4:
+    """Int4 groups laid out for ts_q4a8_prefill_matmul (prompt rows as int8 dot products, the
+    activations rounded to int8 per group of 32): per 16 outputs and k-quad, lane j's four codes
+    (64 bytes), plus float32 [N/16, K/32, 16] scale and min. N padded to a multiple of 16 (zero
+    weights), cut off the output."""
+
+    codes: torch.Tensor  # uint8 [N/16, K/4, 16, 4]
+    scale: torch.Tensor
+    min: torch.Tensor
+    bias: torch.Tensor | None  # bf16 [padded N]
+    out_features: int
+    in_features: int
+    lib: ctypes.CDLL
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 contiguous @ w.T (+ bias) -> [M, N] bf16 (a view when N was padded)."""
+        m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
+        y = torch.empty(m, padded, dtype=torch.bfloat16)
+        bias = None if self.bias is None else ptr(self.bias)
+        ran = self.lib.ts_q4a8_prefill_matmul(
+            ptr(x), m, self.in_features, ptr(self.codes), ptr(self.scale), ptr(self.min), bias, padded, ptr(y)
+        )
+        if ran != 1:
+            raise RuntimeError("ts_q4a8_prefill_matmul declined: the kernels were built without AVX512-VNNI")
+        return y if padded == self.out_features else y[:, : self.out_features]
+
+
+def pack_vnni_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> VnniInt4:
+    n, k = groups.codes.shape
+    pad = -n % _TILE_N
+    codes = torch.from_numpy(groups.codes)
+    scale = torch.from_numpy(groups.scale)
+    low = torch.from_numpy(groups.zero) - 8.0 * scale  # w = scale * q + min
+    if pad:
+        codes = F.pad(codes, (0, 0, 0, pad))
+        scale, low = F.pad(scale, (0, 0, 0, pad)), F.pad(low, (0, 0, 0, pad))
+        bias = None if bias is None else F.pad(bias, (0, pad))
+    rows = codes.shape[0]
+    laid = codes.view(rows // _TILE_N, _TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    return VnniInt4(laid, _tiles(scale), _tiles(low), b, n, k, lib)
+
+
+@dataclass
 class AmxInt8:
     """Int8 groups laid out for ts_q8_matmul: per 16 outputs and group, 16 k-pairs x 16 x 2 codes."""
 
