@@ -345,7 +345,7 @@ def make_lane(runner: ModelRunner) -> PrefillLane | None:
     thread count before serving (executor.warmup) and round by it: on the lane's thread count they
     would compile while serving, and a prompt's bits would depend on which thread ran it. The
     float32 copy of CPUs without bf16 arithmetic (`fp32w`) rounds by thread count too (torch's
-    float32 GEMM splits its sums by it)."""
+    float32 GEMM splits its sums by it); their int8 dot products (`int4a8`) do not (integer sums)."""
     threads = runner.num_threads or 1
     if runner.device.type != "cpu" or runner.tp is not None or threads < 2:
         return None

@@ -7,9 +7,10 @@ matmul, residual add + norm, gate|up matmul, SiLU x up, down matmul, residual ad
 layer's norm. Prompt rows take the same kernels but attention: once RoPE has written a chunk's K/V
 into the cache, the chunk's rows attend over it causally (a row at position p sees the first p + 1),
 flash-attention style (ts_paged_prompt_attention: on AMX tiles where the CPU has them, else on
-float32 FMAs where it has AVX-512) when the chunk has PROMPT_KERNEL_MIN_ROWS rows, else as one decode
-query each with that length (exact softmax either way). Same weights and formats as the torch path; every kernel is row-wise, so a row's result
-does not depend on its batch, nor on its chunk while chunks keep to one attention kernel. A step of
+float32 FMAs where it has AVX-512) when the chunk has PROMPT_KERNEL_MIN_ROWS rows, else as one
+decode query each with that length (exact softmax either way). Same weights and formats as the
+torch path; every kernel is row-wise, so a row's result does not depend on its batch, nor on its
+chunk while chunks keep to one attention kernel. A step of
 prompt rows only (no decodes) calls the same kernels from one loop with raw pointers, and a step of
 decode rows only runs them all from one C call (ts_decode_layers): bit for bit the same.
 """
@@ -147,7 +148,7 @@ class FusedCpuForward:
                     ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), rows,
                     start_pos, ptr(attn[q_start:]), heads, kv_heads, hd, meta.block_size, self.scale,
                 ):  # fmt: skip
-                    continue  # a prompt kernel ran it; elsewhere (or a shape it does not take) each row is a decode query
+                    continue  # a prompt kernel ran it; else (no AVX-512, or a shape it declines) decode queries
                 lib.ts_paged_decode_attention(
                     ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), 0,
                     ptr(prompt_lens), ptr(attn[q_start:]), rows, heads, kv_heads, hd, meta.block_size, self.scale,

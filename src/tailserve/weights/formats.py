@@ -306,21 +306,29 @@ class AmxInt4:
         return y if padded == self.out_features else y[:, : self.out_features]
 
 
-def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> AmxInt4:
-    n, k = groups.codes.shape
+def _padded_groups(
+    groups: Int4Groups, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, scale, min, bf16 bias) with N padded to a multiple of 16 by zero weights, w = scale *
+    code + min (the groups' zero - 8 scale)."""
+    n, _ = groups.codes.shape
     pad = -n % _TILE_N
     codes = torch.from_numpy(groups.codes)
     scale = torch.from_numpy(groups.scale)
-    low = torch.from_numpy(groups.zero) - 8.0 * scale  # w = scale * q + min
+    low = torch.from_numpy(groups.zero) - 8.0 * scale
     if pad:
         codes = F.pad(codes, (0, 0, 0, pad))
         scale, low = F.pad(scale, (0, 0, 0, pad)), F.pad(low, (0, 0, 0, pad))
         bias = None if bias is None else F.pad(bias, (0, pad))
+    return codes.contiguous(), scale, low, None if bias is None else bias.to(torch.bfloat16).contiguous()
+
+
+def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> AmxInt4:
+    n, k = groups.codes.shape
+    codes, scale, low, b = _padded_groups(groups, bias)
     shifted_min = low - 128.0 * scale
-    codes = codes.contiguous()
     packed = torch.empty(codes.shape[0] // _TILE_N, k // 4, 32, dtype=torch.uint8)
     lib.ts_pack_q4(ptr(codes), codes.shape[0], k, ptr(packed))
-    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     return AmxInt4(packed, _tiles(scale), _tiles(shifted_min), _tiles(low), b, n, k, lib)
 
 
@@ -354,17 +362,9 @@ class VnniInt4:
 
 def pack_vnni_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> VnniInt4:
     n, k = groups.codes.shape
-    pad = -n % _TILE_N
-    codes = torch.from_numpy(groups.codes)
-    scale = torch.from_numpy(groups.scale)
-    low = torch.from_numpy(groups.zero) - 8.0 * scale  # w = scale * q + min
-    if pad:
-        codes = F.pad(codes, (0, 0, 0, pad))
-        scale, low = F.pad(scale, (0, 0, 0, pad)), F.pad(low, (0, 0, 0, pad))
-        bias = None if bias is None else F.pad(bias, (0, pad))
+    codes, scale, low, b = _padded_groups(groups, bias)
     rows = codes.shape[0]
     laid = codes.view(rows // _TILE_N, _TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     return VnniInt4(laid, _tiles(scale), _tiles(low), b, n, k, lib)
 
 
