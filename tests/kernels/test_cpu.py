@@ -679,11 +679,16 @@ def test_a_prompt_only_step_gives_the_bits_of_the_layer_by_layer_path(
 ) -> None:
     """Steps of prompt rows only run every layer from one loop of raw kernel calls; they give the
     logits of the module-by-module path bit for bit: a prompt from scratch, a chunk over its cached
-    prefix, and two prompts in one step (one under PROMPT_KERNEL_MIN_ROWS rows: the decode kernel)."""
-    if isa != "amx":
-        pytest.skip(f"the {isa} build runs no int4 prompt rows (its prompt linears are bf16)")
+    prefix, and two prompts in one step (one under PROMPT_KERNEL_MIN_ROWS rows: the decode kernel).
+    On AMX (the int4 prompt kernel, SiLU fused) and where prompt rows run int8 dot products (`int4a8`:
+    VNNI without bf16 arithmetic, gate|up then SiLU x up)."""
     lean, modules = _runner(smol, True), _runner(smol, True)
-    assert modules.model.fused is not None
+    assert lean.model.fused is not None and modules.model.fused is not None
+    if lean.model.fused._prompt_plans() is None:
+        assert isa != "amx", "AMX builds take every prompt-only step in the loop"
+        pytest.skip(
+            f"the {isa} build's prompt linears here are dense (bf16 or float32): the module path runs"
+        )
     modules.model.fused._plans = [None]  # a layer the loop cannot take: every step by the modules
     text = "The river Tiber runs through the city of Rome, and its bridges carry people, carts and stories "
     prompt = smol.tokenizer.encode(text * 3)[:40]
@@ -696,6 +701,37 @@ def test_a_prompt_only_step_gives_the_bits_of_the_layer_by_layer_path(
     for chunks in steps:
         assert torch.equal(lean.logits_for(chunks), modules.logits_for(chunks))
     assert lean.model.fused is not None and lean.model.fused._prompt_plans() is not None
+
+
+def test_int8_dot_product_prompts_give_the_same_logits_however_chunked(
+    lib: ctypes.CDLL, isa: str, smol: LoadedModel
+) -> None:
+    """Where prompt rows run int8 dot products (`int4a8`, row-invariant) beside the float32 FMA
+    prompt attention (chunk-invariant, taking chunks of any size), a prompt over a cached prefix
+    gives the whole prompt's layers bit for bit (every layer's K and V in the cache; the head, torch's
+    bf16 GEMM, may round a lone row apart): the README's question from scratch, and again as 32
+    cached positions plus 1 and 4 (chunks the decode kernel took before, flipping its first token)."""
+    lean = _runner(smol, True)
+    fused = lean.model.fused
+    assert fused is not None
+    plans = fused._prompt_plans()
+    if plans is None or not plans[0].int4a8:
+        pytest.skip(f"the {isa} build's prompt rows here are not int4a8 (AMX int4, bf16 or float32)")
+    prompt = smol.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    greedy = SamplingSpec(temperature=0.0)
+    whole = lean.logits_for([SeqChunk(prompt, 0, [0, 1, 2], True, greedy)])
+    again = _runner(smol, True)
+    again.logits_for([SeqChunk(prompt[:32], 0, [0, 1], False, greedy)])
+    for start, end in ((32, 33), (33, len(prompt))):  # 1 row, then the other 4
+        got = again.logits_for([SeqChunk(prompt[start:end], start, [0, 1, 2], True, greedy)])
+        assert torch.equal(got.argmax(-1), whole[start:end].argmax(-1))
+    slots = slice(0, len(prompt))  # blocks 0, 1, 2 of 16 positions: the same slots in both pools
+    for (k_whole, v_whole), (k_again, v_again) in zip(lean.kv_caches, again.kv_caches, strict=True):
+        assert torch.equal(k_whole.flatten(0, 1)[slots], k_again.flatten(0, 1)[slots])
+        assert torch.equal(v_whole.flatten(0, 1)[slots], v_again.flatten(0, 1)[slots])
+    assert smol.tokenizer.decode([int(whole[-1].argmax())]).strip() == "The"
 
 
 def test_a_decode_only_step_gives_the_bits_of_the_layer_by_layer_path(

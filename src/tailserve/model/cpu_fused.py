@@ -7,8 +7,8 @@ matmul, residual add + norm, gate|up matmul, SiLU x up, down matmul, residual ad
 layer's norm. Prompt rows take the same kernels but attention: once RoPE has written a chunk's K/V
 into the cache, the chunk's rows attend over it causally (a row at position p sees the first p + 1),
 flash-attention style (ts_paged_prompt_attention: on AMX tiles where the CPU has them, else on
-float32 FMAs where it has AVX-512) when the chunk has PROMPT_KERNEL_MIN_ROWS rows, else as one
-decode query each with that length (exact softmax either way). Same weights and formats as the
+float32 FMAs where it has AVX-512) when the chunk has PROMPT_KERNEL_MIN_ROWS rows (AMX; any chunk
+on the FMA kernel), else as one decode query each with that length (exact softmax either way). Same weights and formats as the
 torch path; every kernel is row-wise, so a row's result does not depend on its batch, nor on its
 chunk while chunks keep to one attention kernel. A step of
 prompt rows only (no decodes) calls the same kernels from one loop with raw pointers, and a step of
@@ -33,6 +33,14 @@ MAX_GROUP = 64  # query heads per kv head the attention kernel keeps per-head su
 # whole context's V once per call, which a few rows do not pay back (measured on 2 threads of a
 # Sapphire Rapids: 1 row over 1,345 positions 0.04 ms against 0.10, 8 rows even, 16 rows 1.7x faster).
 PROMPT_KERNEL_MIN_ROWS = 8
+# The float32 FMA prompt kernel (AVX-512 without AMX) takes every prompt chunk instead: its rows'
+# bits do not depend on the chunk, so with row-invariant prompt matmuls (int4a8) a prompt over a
+# cached prefix gives the bits of the whole prompt. On the decode kernel a 5-row chunk after 32
+# cached positions moved the README question's first-token logits by up to 1.3 against the whole
+# prompt, and its greedy answer from "The capital of France is Paris." to French nonsense (its two
+# best tokens lie 0.06-0.11 apart). The widening it pays per call: 0.21 against 0.04 ms for 1 row
+# over 1,344 positions, one layer, 2 threads.
+FMA_PROMPT_KERNEL_MIN_ROWS = 1
 # Bumped when what this forward computes changes (so the quality gate re-measures): 2 = prompt
 # attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN; 3 = prompt
 # attention on the AMX flash kernel (ts_paged_prompt_attention) where it runs; 4 = SiLU x up on
@@ -91,6 +99,9 @@ class FusedCpuForward:
         self._dense_decode_from: int | None = None
         self._decode_key: tuple[int, ...] | None = None
         self._decode_args: ctypes.Array[cpu_kernels.DecodeLayer] | None = None
+        # Rows a prompt chunk needs for the prompt attention kernel (fewer: a decode query each).
+        amx = cpu_kernels.amx() is not None
+        self.prompt_min_rows = PROMPT_KERNEL_MIN_ROWS if amx else FMA_PROMPT_KERNEL_MIN_ROWS
 
     def __call__(
         self,
@@ -144,7 +155,7 @@ class FusedCpuForward:
                     ptr(lens), ptr(attn), d, heads, kv_heads, hd, meta.block_size, self.scale,
                 )  # fmt: skip
             for q_start, rows, start_pos, prompt_table, prompt_lens in prompts:
-                if rows >= PROMPT_KERNEL_MIN_ROWS and lib.ts_paged_prompt_attention(
+                if rows >= self.prompt_min_rows and lib.ts_paged_prompt_attention(
                     ptr(qkv[q_start:]), self.qkv_width, ptr(k_cache), ptr(v_cache), ptr(prompt_table), rows,
                     start_pos, ptr(attn[q_start:]), heads, kv_heads, hd, meta.block_size, self.scale,
                 ):  # fmt: skip
@@ -204,13 +215,20 @@ class FusedCpuForward:
             for q_start, rows, start_pos, table, lens in prompts
         ]
         prefill, silu, add_norm = lib.ts_q4_prefill_matmul, lib.ts_q4_prefill_silu_matmul, lib.ts_add_rms_norm
+        int4a8 = plans[
+            0
+        ].int4a8  # int8 dot products: gate|up written, then SiLU x up (the module path's calls)
+        if int4a8:
+            prefill = lib.ts_q4a8_prefill_matmul
+        gu = torch.empty(t, 2 * self.inter, dtype=torch.bfloat16) if int4a8 else None  # held to the end
+        gu_p = None if gu is None else ptr(gu)
         scale = self.scale
         for i, plan in enumerate(plans):
             k_p, v_p = ptr(kv_caches[i][0]), ptr(kv_caches[i][1])
             prefill(x_p, t, dim, *plan.qkv, width, qkv_p)
             lib.ts_rope_write_kv(qkv_p, pos_p, cos_p, sin_p, slot_p, k_p, v_p, t, heads, kv_heads, hd)
             for q_p, rows, start_pos, table_p, lens_p, out_p in spans:
-                if rows >= PROMPT_KERNEL_MIN_ROWS and lib.ts_paged_prompt_attention(
+                if rows >= self.prompt_min_rows and lib.ts_paged_prompt_attention(
                     q_p, width, k_p, v_p, table_p, rows, start_pos, out_p, heads, kv_heads, hd, block, scale
                 ):
                     continue
@@ -219,7 +237,11 @@ class FusedCpuForward:
                 )
             prefill(attn_p, t, heads * hd, *plan.o, dim, o_p)
             add_norm(h_p, o_p, dim, plan.post_norm, x_p, t, dim, eps)
-            silu(x_p, t, dim, *plan.gate_up, self.inter, act_p)
+            if gu_p is not None:
+                prefill(x_p, t, dim, *plan.gate_up, 2 * self.inter, gu_p)
+                lib.ts_silu_mul(gu_p, act_p, t, self.inter)
+            else:
+                silu(x_p, t, dim, *plan.gate_up, self.inter, act_p)
             prefill(act_p, t, self.inter, *plan.down, dim, o_p)
             add_norm(h_p, o_p, dim, plans[i + 1].input_norm if i + 1 < len(plans) else None, x_p, t, dim, eps)
 
@@ -343,13 +365,29 @@ class _LayerPlan(NamedTuple):
     down: tuple[int, int, int, int | None]
     input_norm: int
     post_norm: int
+    # prompt rows on int8 dot products (ts_q4a8_prefill_matmul, the same arguments; gate|up then
+    # SiLU x up as two calls) rather than the AMX int4 kernel
+    int4a8: bool = False
 
 
 def _layer_plan(layer: DecoderLayer) -> _LayerPlan | None:
-    """The layer's plan, or None unless each linear runs its prompt rows on the AMX int4 kernel with
-    no padded outputs and gate|up fuses SiLU x up (what the module path would then run)."""
+    """The layer's plan, or None unless each linear runs its prompt rows on one kernel with no padded
+    outputs: the AMX int4 one, gate|up fusing SiLU x up, or int8 dot products (`int4a8`), gate|up
+    then SiLU x up (what the module path would then run)."""
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    plan = (ptr(layer.input_norm), ptr(layer.post_norm))
+    if all(linear.vnni4 is not None for linear in linears):
+        vnni: list[tuple[int, int, int, int | None]] = []
+        for linear in linears:
+            v = linear.vnni4
+            assert v is not None
+            if v.scale.shape[0] * 16 != linear.out_features:
+                return None
+            vnni.append((ptr(v.codes), ptr(v.scale), ptr(v.min), None if v.bias is None else ptr(v.bias)))
+        qkv, o, gate_up, down = vnni
+        return _LayerPlan(qkv, o, gate_up, down, *plan, int4a8=True)
     args: list[tuple[int, int, int, int | None]] = []
-    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+    for linear in linears:
         amx4 = linear.amx4
         if linear.weight is not None or amx4 is None or amx4.scale.shape[0] * 16 != linear.out_features:
             return None
@@ -358,7 +396,7 @@ def _layer_plan(layer: DecoderLayer) -> _LayerPlan | None:
     if not layer.gate_up.fuses_silu():
         return None
     qkv, o, gate_up, down = args
-    return _LayerPlan(qkv, o, gate_up, down, ptr(layer.input_norm), ptr(layer.post_norm))
+    return _LayerPlan(qkv, o, gate_up, down, *plan)
 
 
 def _decode_plan(layer: DecoderLayer) -> _LayerPlan | None:
