@@ -224,9 +224,18 @@ def test_prefill_lane_same_tokens(
     the decode steps, in chunks of the lane's own budget, and every token is still transformers'."""
     # Unpaced: the pacing rule holds a prompt off the lane by measured step times, so on a busy
     # machine prompts went partly through ordinary steps and no lane chunk reached 24 (pacing has
-    # tests of its own, in virtual time: tests/engine/test_lane_pacing.py).
+    # tests of its own, in virtual time: tests/engine/test_lane_pacing.py). First come, first
+    # served: under the SLO policy a prompt kept waiting past its TTFT target (wall clock, so on a
+    # slow run) is past saving and holds a reserve of each chunk that nothing else may take, and the
+    # largest chunk was 17 in a fresh-clone CI run (the reserve has its own tests: tests/engine/test_past_saving.py).
     llm = _lane_llm(
-        smol, engine_config, max_num_batched_tokens=32, lane_chunk_tokens=24, max_num_seqs=16, pace_lane=False
+        smol,
+        engine_config,
+        max_num_batched_tokens=32,
+        lane_chunk_tokens=24,
+        max_num_seqs=16,
+        pace_lane=False,
+        policy="fcfs",
     )
     engine, outs, lane_steps = llm.engine, dict[str, list[int]](), 0
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
