@@ -29,6 +29,7 @@ from tailserve.weights.formats import (
     pack_amx_int4,
     pack_amx_int8,
     pack_vnni_int4,
+    pack_vnni_int8,
 )
 from tailserve.weights.loader import LoadedModel
 from tests.weights.test_formats import _assert_within_bf16, _blocks
@@ -482,6 +483,15 @@ def _int8_dot_reference(
     group's largest |x| to 127, in float32 as the kernel does, ties to even), times the groups'
     exact weights; |terms| sums the magnitudes of each group's two parts, the codes' and the min's,
     which the kernel adds in float32 (they cancel where one activation is far above its group)."""
+    scale = torch.from_numpy(groups.scale).double()
+    low = torch.from_numpy(groups.zero).double() - 8.0 * scale
+    return _affine_int8_dot_reference(x, torch.from_numpy(groups.codes), scale, low, bias)
+
+
+def _affine_int8_dot_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_int8_dot_reference` for any groups w = scale * code + low (codes [N, K], scale and low [N, K/32])."""
     m, k = x.shape
     xg = x.float().view(m, k // 32, 32)
     top = xg.abs().amax(-1, keepdim=True)
@@ -489,9 +499,8 @@ def _int8_dot_reference(
     inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
     xq = (xg * inv).round().double()
     d = (top / 127.0).double()
-    codes = torch.from_numpy(groups.codes).double().view(-1, k // 32, 32)
-    scale = torch.from_numpy(groups.scale).double()
-    low = torch.from_numpy(groups.zero).double() - 8.0 * scale
+    codes = codes.double().view(-1, k // 32, 32)
+    scale, low = scale.double(), low.double()
     dots = torch.einsum("mgk,ngk->mng", xq, codes)
     d = d.squeeze(-1)[:, None, :]
     codes_term, min_term = d * scale[None] * dots, d * low[None] * xq.sum(-1)[:, None, :]
@@ -530,6 +539,47 @@ def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
     alone = torch.cat([packed.matmul(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
     assert torch.equal(alone, got)
     assert torch.equal(packed.matmul(x[7:50].contiguous()), got[7:50])
+    before = lib.ts_threads()
+    try:
+        lib.ts_set_threads(1)
+        one = packed.matmul(x)
+        lib.ts_set_threads(2)
+        assert torch.equal(one, got) and torch.equal(packed.matmul(x), got)
+    finally:
+        lib.ts_set_threads(before)
+
+
+def test_q8_head_on_int8_dot_products_is_the_blocks_times_rounded_activations(
+    lib: ctypes.CDLL, isa: str
+) -> None:
+    """ts_q8a8_matmul (the LM head where the CPU has VNNI but no bf16 arithmetic): the file's Q8_0
+    groups times the activations rounded to int8 per group of 32, float32 logits (no bf16 rounding),
+    over a vocabulary off the 16-wide tile; a row's bits the same alone, in any batch and at 1 or 2
+    threads. The portable build declines, writing nothing."""
+    t = _blocks("Q8_0", 1000, 224, seed=9)
+    groups = int8_groups_from_blocks(t)
+    assert groups is not None
+    x = _bf(21, 224, seed=10)
+    if lib.ts_vnni() != 1:
+        out = torch.zeros(2, 16)
+        ran = lib.ts_q8a8_matmul(
+            ptr(x), 2, 32, ptr(torch.zeros(512, dtype=torch.uint8)), ptr(torch.zeros(16)), ptr(torch.zeros(16)),
+            16, ptr(out),
+        )  # fmt: skip
+        assert ran == 0 and not out.any()
+        pytest.skip(f"the {isa} build has no AVX512-VNNI: it declines (checked)")
+    packed = pack_vnni_int8(groups, lib)
+    got = packed.matmul(x)
+    assert got.dtype == torch.float32 and got.shape == (21, 1000)
+    scale = groups.scale.double()
+    want, terms = _affine_int8_dot_reference(x, groups.codes, scale, torch.zeros_like(scale), None)
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2**-20 + terms * 2**-16  # float32 sums; the stored codes' +128 cancels in them
+    assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max():.3g}"
+    exact = x.float() @ groups.dequantize().T  # and near the unrounded product: 1/254 per activation
+    assert (got - exact).abs().max() < 0.01 * exact.abs().max()
+    alone = torch.cat([packed.matmul(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
+    assert torch.equal(alone, got)
     before = lib.ts_threads()
     try:
         lib.ts_set_threads(1)

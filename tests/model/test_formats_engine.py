@@ -10,6 +10,7 @@ from tailserve.config import CacheConfig, EngineConfig, ModelConfig
 from tailserve.engine import LLM, SamplingParams
 from tailserve.model.linear import Linear
 from tailserve.model.plans import build_model, plan_for
+from tailserve.weights.formats import VnniInt4
 from tailserve.weights.loader import LoadedModel, load_model
 
 FORMATS = ["fp32", "bf16", "int4", "int8", "auto"]
@@ -125,11 +126,20 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
         pytest.skip("the kernels here have no AVX512-VNNI build (the portable build, or no compiler)")
     monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "tile_matmuls", lambda: None)  # no AMX, no AVX512-BF16
     assert [plan_for(f, CPU).prefill for f in ("int4", "int8", "bf16")] == ["int4a8", "fp32w", "bf16"]
+    # decode rows on the same kernel (torch's int4 one runs bf16 emulated here), the q8 head on VNNI
+    assert (plan_for("int4", CPU).decode, plan_for("int4", CPU).head) == ("int4a8", "q8")
+    assert plan_for("int8", CPU).head == "int8"
     loaded = load_model("dummy:tiny", torch.float32)
     model = build_model(loaded, "int4", CPU, 64)
     linears = model.prompt_linears()
     assert all(linear.weight is None and linear.vnni4 is not None for linear in linears)
+    assert all(linear.int4 is None and linear.amx4 is None for linear in linears)  # one form of each weight
+    x = torch.randn(5, linears[0].in_features).to(torch.bfloat16)
+    assert torch.equal(linears[0](x, 3), linears[0](x, 0))  # decode rows: the prompt rows' bits
+    head = model.lm_head
+    assert isinstance(head.amx8, VnniInt4) and head.amx8.logits and head.refine_with is not None
     dense = build_model(loaded, "int8", CPU, 64)
     assert sum(map(Linear.weight_bytes, linears)) * 2 < sum(map(Linear.weight_bytes, dense.prompt_linears()))
     runner = ModelRunner(model, 16, 16, CPU, kv_dtype=torch.bfloat16, num_threads=2)

@@ -2085,6 +2085,7 @@ typedef struct {
     const float *scale, *min;
     const bf16 *bias;
     bf16 *out;
+    float *out32; /* or float32 outputs here (out unused), unrounded: the LM head's logits */
     int64_t rows, k, groups, n_out, tiles, tile_blocks;
 } qa_job;
 
@@ -2123,7 +2124,11 @@ static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int6
     }
     for (int u = 0; u < NT; u++) {
         const __m512 b = j->bias == NULL ? _mm512_setzero_ps() : load16_bf16(j->bias + (t + u) * 16);
-        for (int i = 0; i < MR; i++) store16_bf16(j->out + (m + i) * j->n_out + (t + u) * 16, _mm512_add_ps(out[i][u], b));
+        for (int i = 0; i < MR; i++) {
+            const int64_t at = (m + i) * j->n_out + (t + u) * 16;
+            if (j->out32 != NULL) _mm512_storeu_ps(j->out32 + at, _mm512_add_ps(out[i][u], b));
+            else store16_bf16(j->out + at, _mm512_add_ps(out[i][u], b));
+        }
     }
 }
 
@@ -2161,12 +2166,9 @@ int ts_vnni(void) {
 #endif
 }
 
-/* out [rows, n_out] bf16 = x [rows, k] bf16 through the int4 groups, the activations rounded to
- * int8 per group of 32 (see above); n_out and k multiples of 16 and 32. Returns 0 (nothing
- * written) where the build has no VNNI. */
-int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
-                           const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
 #if defined(TS_VNNI)
+static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                      const float *min, const bf16 *bias, int64_t n_out, bf16 *out, float *out32) {
     const int64_t groups = k / 32, tiles = n_out / 16;
     const size_t xq_bytes = (size_t)(rows * k + 63) / 64 * 64;
     uint8_t *buf = (uint8_t *)scratch_grow(&qa_scratch, xq_bytes + 2 * (size_t)(rows * groups) * sizeof(float));
@@ -2176,11 +2178,37 @@ int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t
     const qa_quant_args qa = {x, xq, d, xsum, k, groups};
     parallel_rows(qa_quant_rows, &qa, rows, k);
     const int64_t tile_blocks = (tiles + QA_TILES - 1) / QA_TILES;
-    const qa_job job = {xq, d, xsum, codes, scale, min, bias, out, rows, k, groups, n_out, tiles, tile_blocks};
+    const qa_job job = {xq, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks};
     parallel_chunks(qa_chunk, &job, tile_blocks * ((rows + QA_ROWS - 1) / QA_ROWS));
+}
+#endif
+
+/* out [rows, n_out] bf16 = x [rows, k] bf16 through the int4 groups, the activations rounded to
+ * int8 per group of 32 (see above); n_out and k multiples of 16 and 32. Returns 0 (nothing
+ * written) where the build has no VNNI. Prompt rows and, where the CPU has no bf16 arithmetic,
+ * decode rows too (one kernel for both: a token's bits do not depend on which kind of row it was). */
+int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                           const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
+#if defined(TS_VNNI)
+    qa_matmul(x, rows, k, codes, scale, min, bias, n_out, out, NULL);
     return 1;
 #else
     (void)x, (void)rows, (void)k, (void)codes, (void)scale, (void)min, (void)bias, (void)n_out, (void)out;
+    return 0;
+#endif
+}
+
+/* The LM head on the same dot products: float32 logits [rows, n_out] = x through the file's Q8_0
+ * groups, laid out as ts_q4a8_prefill_matmul's with each code stored plus 128 (0 .. 255) and min =
+ * -128 scale (w = scale * stored + min, exact: -128 scale is a power-of-two multiple). Returns 0
+ * (nothing written) where the build has no VNNI. */
+int ts_q8a8_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                   const float *min, int64_t n_out, float *out) {
+#if defined(TS_VNNI)
+    qa_matmul(x, rows, k, codes, scale, min, NULL, n_out, NULL, out);
+    return 1;
+#else
+    (void)x, (void)rows, (void)k, (void)codes, (void)scale, (void)min, (void)n_out, (void)out;
     return 0;
 #endif
 }
@@ -2223,6 +2251,12 @@ void ts_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *wo
     }
 }
 
+/* ts_q4a8_prefill_matmul as ts_decode_layers calls its matmuls (the caller checked ts_vnni). */
+static void q4a8_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                        const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
+    (void)ts_q4a8_prefill_matmul(x, rows, k, codes, scale, min, bias, n_out, out);
+}
+
 /* --- A decode step's layers from one call ------------------------------------------------------
  *
  * A step of decode rows only runs every layer's kernels from this loop: the calls and arguments of
@@ -2241,20 +2275,22 @@ void ts_decode_layers(const ts_decode_layer *layers, int64_t n_layers, float *h,
                       bf16 *o, bf16 *gate_up, bf16 *act, int64_t rows, int64_t dim, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, int64_t inter, const int64_t *positions, const float *cos_half,
                       const float *sin_half, const int64_t *slots, const int64_t *block_tables, int64_t table_width,
-                      const int64_t *lens, int64_t block_size, float eps, float scale) {
+                      const int64_t *lens, int64_t block_size, float eps, float scale, int int4a8) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, q_size = heads * head_dim;
+    void (*const mm)(const bf16 *, int64_t, int64_t, const uint8_t *, const float *, const float *, const bf16 *,
+                     int64_t, bf16 *) = int4a8 ? q4a8_matmul : ts_q4_matmul;
     for (int64_t i = 0; i < n_layers; i++) {
         const ts_decode_layer *l = &layers[i];
-        ts_q4_matmul(x, rows, dim, l->packed[0], l->scale[0], l->shifted_min[0], l->bias[0], width, qkv);
+        mm(x, rows, dim, l->packed[0], l->scale[0], l->shifted_min[0], l->bias[0], width, qkv);
         ts_rope_write_kv(qkv, positions, cos_half, sin_half, slots, l->k_cache, l->v_cache, rows, heads, kv_heads,
                          head_dim);
         ts_paged_decode_attention(qkv, width, l->k_cache, l->v_cache, block_tables, table_width, lens, attn, rows,
                                   heads, kv_heads, head_dim, block_size, scale);
-        ts_q4_matmul(attn, rows, q_size, l->packed[1], l->scale[1], l->shifted_min[1], l->bias[1], dim, o);
+        mm(attn, rows, q_size, l->packed[1], l->scale[1], l->shifted_min[1], l->bias[1], dim, o);
         ts_add_rms_norm(h, o, dim, l->post_norm, x, rows, dim, eps);
-        ts_q4_matmul(x, rows, dim, l->packed[2], l->scale[2], l->shifted_min[2], l->bias[2], 2 * inter, gate_up);
+        mm(x, rows, dim, l->packed[2], l->scale[2], l->shifted_min[2], l->bias[2], 2 * inter, gate_up);
         ts_silu_mul(gate_up, act, rows, inter);
-        ts_q4_matmul(act, rows, inter, l->packed[3], l->scale[3], l->shifted_min[3], l->bias[3], dim, o);
+        mm(act, rows, inter, l->packed[3], l->scale[3], l->shifted_min[3], l->bias[3], dim, o);
         ts_add_rms_norm(h, o, dim, i + 1 < n_layers ? layers[i + 1].input_norm : NULL, x, rows, dim, eps);
     }
 }

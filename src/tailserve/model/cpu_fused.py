@@ -45,8 +45,9 @@ FMA_PROMPT_KERNEL_MIN_ROWS = 1
 # attention on the decode kernel, prompt matmuls on weights prepacked for oneDNN; 3 = prompt
 # attention on the AMX flash kernel (ts_paged_prompt_attention) where it runs; 4 = SiLU x up on
 # AVX-512 (e^x by polynomial, not expf: a rare last-bit difference after bf16 rounding); 5 = prompt
-# attention on the float32 FMA flash kernel where AVX-512 runs without AMX (was the decode kernel).
-FORWARD_REVISION = 5
+# attention on the float32 FMA flash kernel where AVX-512 runs without AMX (was the decode kernel);
+# 6 = decode rows and the q8 head on int8 dot products where the CPU has VNNI but no bf16 arithmetic.
+FORWARD_REVISION = 6
 
 
 def attach(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
@@ -128,10 +129,18 @@ class FusedCpuForward:
         h_p, x_p = ptr(h), ptr(x)
         prompts = self._prompt_queries(meta)
         q_size = self.q_size
-        plans = self._prompt_plans() if d == 0 and self.model.tp is None else None
-        if plans is not None:
+        plans = self._prompt_plans() if self.model.tp is None else None
+        if plans is not None and (d == 0 or (plans[0].int4a8 and d < t)):
+            # prompt rows only, or (int4a8: one kernel for every row) decodes beside prompt rows
             self._prompt_layers(
-                plans, x, h, kv_caches, prompts, (cos_p, sin_p, pos_p, slot_p), meta.block_size
+                plans,
+                x,
+                h,
+                kv_caches,
+                prompts,
+                (cos_p, sin_p, pos_p, slot_p),
+                meta.block_size,
+                (d, tables, lens),
             )
             out = F.rms_norm(h.index_select(0, logits_indices), (dim,), model.norm, eps)
             return model.head_logits(out)
@@ -192,8 +201,10 @@ class FusedCpuForward:
         prompts: list[tuple[int, int, int, torch.Tensor, torch.Tensor]],
         rope: tuple[int, int, int, int],
         block: int,
+        decodes: tuple[int, torch.Tensor, torch.Tensor],
     ) -> None:
-        """Every layer of a step of prompt rows only, the kernels called straight from one loop on
+        """Every layer of a step of prompt rows (and, over int4a8, the `decodes` rows before them:
+        their count, block tables and context lengths), the kernels called straight from one loop on
         buffers made once a step: the calls, arguments and so the bits of the module path, with
         little Python between them. Through the modules, the time from one kernel's threads ending
         to the next's starting was 14-50 us (~6.5 ms of a 512-token step on 2 threads of a Sapphire
@@ -223,10 +234,29 @@ class FusedCpuForward:
         gu = torch.empty(t, 2 * self.inter, dtype=torch.bfloat16) if int4a8 else None  # held to the end
         gu_p = None if gu is None else ptr(gu)
         scale = self.scale
+        d, tables, lens = decodes
+        dec_tables_p, dec_lens_p, table_width = ptr(tables), ptr(lens), tables.stride(0) if d else 0
         for i, plan in enumerate(plans):
             k_p, v_p = ptr(kv_caches[i][0]), ptr(kv_caches[i][1])
             prefill(x_p, t, dim, *plan.qkv, width, qkv_p)
             lib.ts_rope_write_kv(qkv_p, pos_p, cos_p, sin_p, slot_p, k_p, v_p, t, heads, kv_heads, hd)
+            if d:
+                lib.ts_paged_decode_attention(
+                    qkv_p,
+                    width,
+                    k_p,
+                    v_p,
+                    dec_tables_p,
+                    table_width,
+                    dec_lens_p,
+                    attn_p,
+                    d,
+                    heads,
+                    kv_heads,
+                    hd,
+                    block,
+                    scale,
+                )
             for q_p, rows, start_pos, table_p, lens_p, out_p in spans:
                 if rows >= self.prompt_min_rows and lib.ts_paged_prompt_attention(
                     q_p, width, k_p, v_p, table_p, rows, start_pos, out_p, heads, kv_heads, hd, block, scale
@@ -290,7 +320,7 @@ class FusedCpuForward:
         self.lib.ts_decode_layers(
             self._decode_table(plans, kv_caches), len(plans), ptr(h), ptr(x), ptr(qkv), ptr(attn), ptr(o),
             ptr(gate_up), ptr(act), t, dim, heads, self.kv_heads, hd, inter, pos_p, cos_p, sin_p, slot_p,
-            ptr(tables), tables.stride(0), ptr(lens), block, self.eps, self.scale,
+            ptr(tables), tables.stride(0), ptr(lens), block, self.eps, self.scale, int(plans[0].int4a8),
         )  # fmt: skip
 
     def _decode_table(
@@ -401,7 +431,10 @@ def _layer_plan(layer: DecoderLayer) -> _LayerPlan | None:
 
 def _decode_plan(layer: DecoderLayer) -> _LayerPlan | None:
     """The layer's plan for decode rows, or None unless each linear runs them on the int4 tile kernel
-    (ts_q4_matmul: the AMX or AVX512-BF16 build) with no padded outputs."""
+    (ts_q4_matmul: the AMX or AVX512-BF16 build) or all on int8 dot products (`int4a8`: the prompt
+    rows' plan) with no padded outputs."""
+    if all(linear.decode_kernel == "int4a8" for linear in layer.linears()):
+        return _layer_plan(layer)
     args: list[tuple[int, int, int, int | None]] = []
     for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
         amx4 = linear.amx4

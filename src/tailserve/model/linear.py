@@ -29,7 +29,9 @@ from tailserve.weights.formats import (
     pack_vnni_int4,
 )
 
-KERNELS = ("fp32", "bf16", "int4", "int8")
+# Decode-row kernels. `int4a8` (CPUs without bf16 arithmetic, with AVX512-VNNI): the prompt rows'
+# int8 dot products over the int4 groups, for decode rows too (formats.plan_for).
+KERNELS = ("fp32", "bf16", "int4", "int8", "int4a8")
 PACK_ROWS_HINT = 256  # the rows oneDNN's weight layout is chosen for: a full step budget of prompt rows
 # The dense copy's dtype per prompt-row kernel. `fp32w`: bf16 activations in and out, the product on
 # a float32 copy of the weights, for CPUs that have no bf16 arithmetic (formats.plan_for): there
@@ -84,7 +86,7 @@ class Linear(nn.Module):
             decode not in KERNELS
             or (prefill not in _DENSE_DTYPES and not ((amx_prefill or vnni_prefill) and decode == "int4"))
             or (prefill == "fp32") != (decode == "fp32")
-        ):
+        ) and not (decode == prefill == "int4a8"):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
         self.out_features, self.in_features = source.dense.shape
@@ -131,7 +133,9 @@ class Linear(nn.Module):
         """The first of `rows` rows that `forward` runs on the prompt-row kernel (`rows`: none); the
         rows before it run on the decode kernel."""
         dense_decodes = self.dense_decode_from_rows is not None and num_decodes >= self.dense_decode_from_rows
-        same = self.decode_kernel == self.prefill_kernel and self.weight is not None
+        same = self.decode_kernel == self.prefill_kernel and (
+            self.weight is not None or self.vnni4 is not None
+        )
         return 0 if same or num_decodes == 0 or dense_decodes else min(num_decodes, rows)
 
     def fuses_silu(self) -> bool:
@@ -183,6 +187,8 @@ class Linear(nn.Module):
 
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous through the decode kernel alone (what every decode row runs)."""
+        if self.decode_kernel == "int4a8":
+            return self.prefill_matmul(x)
         if self.amx4 is not None:
             return self.amx4.matmul(x)
         packed = self.int4 if self.int4 is not None else self.int8

@@ -69,17 +69,25 @@ def plan_for(
     plan = PLANS[resolve_format(weight_format, device)]
     head, prefill = head or plan.head, plan.prefill
     cpu = device.type == "cpu"
-    if not cpu or cpu_kernels.tile_matmuls() is None:
+    if not cpu or (
+        cpu_kernels.tile_matmuls() is None and (cpu_kernels.native_bf16() or cpu_kernels.vnni() is None)
+    ):
+        # q8 without tile matmuls: on int8 dot products where the CPU has VNNI but no bf16 arithmetic
+        # (torch's bf16 head is emulated there: 3.1 / 20.7 ms for 1 / 16 rows against 1.4 / 3.0 on 2 vCPUs),
+        # else the bf16 head.
         head = "bf16" if head == "q8" else head
     if not cpu or cpu_kernels.amx() is None:
         prefill = "bf16" if prefill == "int4" else prefill
+    decode = plan.decode
     if cpu and prefill == "bf16" and plan.decode != "bf16" and not cpu_kernels.native_bf16():
         # The dense copy only serves prompt rows here: float32 runs them ~4.5x faster than torch's
         # emulated bf16 GEMM (docs/ENGINE.md, "CPUs without bf16 arithmetic"), for the same memory
         # as the bf16 copy and its oneDNN-packed twin. int4 with AVX512-VNNI goes further: its
-        # groups times int8-rounded activations on int8 dot products (`int4a8`), no dense copy.
+        # groups times int8-rounded activations on int8 dot products (`int4a8`), no dense copy,
+        # for decode rows too (torch's int4 kernel runs bf16 emulated: 1.5-2.5x slower).
         prefill = "int4a8" if plan.decode == "int4" and cpu_kernels.vnni() is not None else "fp32w"
-    return FormatPlan(plan.decode, prefill, head, dense_decode_from_rows)
+        decode = "int4a8" if prefill == "int4a8" else decode
+    return FormatPlan(decode, prefill, head, dense_decode_from_rows)
 
 
 def activation_dtype(weight_format: str, device: torch.device) -> torch.dtype:
@@ -103,7 +111,7 @@ def build_model(
     plan = plan_for(weight_format, device, head, dense_decode_from_rows)
     blocks = loaded.blocks
     int4: dict[str, Int4Groups] = {}
-    if plan.decode == "int4" or plan.head == "int4":
+    if plan.decode in ("int4", "int4a8") or plan.head == "int4":
         for name, t in blocks.items():
             groups = int4_from_blocks(t)
             if groups is not None:  # cut at once under TP: never every layer's whole groups at a time

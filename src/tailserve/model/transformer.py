@@ -27,12 +27,14 @@ from tailserve.weights.formats import (
     Int8Groups,
     PackedInt4,
     PackedInt8,
+    VnniInt4,
     int4_from_float,
     int8_from_float,
     int8_groups_from_float,
     pack_amx_int8,
     pack_int4,
     pack_int8,
+    pack_vnni_int8,
 )
 
 if TYPE_CHECKING:
@@ -45,7 +47,8 @@ HEAD_KERNELS = ("fp32", "bf16", "int8", "int4", "q8")
 class FormatPlan:
     """Which kernel each part of the model runs: layer linears per phase, and the LM head on its own."""
 
-    decode: str  # layer linears on decode rows: fp32, bf16, int4 or int8
+    # layer linears on decode rows: fp32, bf16, int4, int8 or int4a8 (prompt rows' int8 dot products)
+    decode: str
     # layer linears on prefill rows: fp32, bf16, fp32w (bf16 activations on a float32 weight copy,
     # for CPUs without bf16 arithmetic), int4 (AMX: groups widened to bf16) or int4a8 (the int4
     # groups times activations rounded to int8 per group of 32, on VNNI, for CPUs without bf16)
@@ -182,6 +185,8 @@ class LMHead(nn.Module):
     re-scored in float32 from the bf16 weight rows (`refine_with`), a few thousand multiply-adds.
     `q8` (int8 codes, a float32 scale per 32 inputs: GGUF Q8_0 exactly) runs on the fused CPU
     kernels' tile matmul (AMX or AVX512-BF16), which sums and returns float32: nothing to re-score.
+    Where the CPU has neither but has AVX512-VNNI, on int8 dot products with the activations rounded
+    to int8 per group of 32 (ts_q8a8_matmul, float32 out), re-scored as the bf16 head is.
     """
 
     REFINE_TOP = 16
@@ -200,14 +205,22 @@ class LMHead(nn.Module):
         self.kernel = kernel
         self.weight: nn.Parameter | None = None
         self.packed: PackedInt4 | PackedInt8 | None = None
-        self.amx8: AmxInt8 | None = None
+        self.amx8: AmxInt8 | VnniInt4 | None = None
         if kernel == "q8":
             lib = cpu_kernels.tile_matmuls()
+            vnni = cpu_kernels.vnni() if lib is None else None
             groups = int8_groups if int8_groups is not None else int8_groups_from_float(weight)
-            if lib is None:
-                raise ValueError("the q8 LM head needs the fused CPU kernels with AMX or AVX512-BF16")
-            self.amx8 = pack_amx_int8(groups, lib)
-            refine_with = None
+            if lib is None and vnni is None:
+                raise ValueError(
+                    "the q8 LM head needs the fused CPU kernels with AMX, AVX512-BF16 or AVX512-VNNI"
+                )
+            # With VNNI alone: the activations rounded to int8 per group of 32 too (int8 dot products),
+            # so the best REFINE_TOP are re-scored as the bf16 head's are.
+            if lib is not None:
+                self.amx8, refine_with = pack_amx_int8(groups, lib), None
+            else:
+                assert vnni is not None
+                self.amx8 = pack_vnni_int8(groups, vnni)
         elif kernel in ("fp32", "bf16"):
             dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
             self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
@@ -217,12 +230,12 @@ class LMHead(nn.Module):
             self.packed = pack_int4(int4 if int4 is not None else int4_from_float(weight))
         if kernel == "bf16" and refine_with is None:
             refine_with = self.weight
-        self.refine_with = None if kernel in ("fp32", "q8") else refine_with
+        self.refine_with = None if kernel == "fp32" else refine_with
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.amx8 is not None:
-            return self.amx8.matmul(h.to(torch.bfloat16).contiguous())
-        if self.weight is not None:
+            logits = self.amx8.matmul(h.to(torch.bfloat16).contiguous())
+        elif self.weight is not None:
             logits = F.linear(h.to(self.weight.dtype), self.weight).float()
         else:
             assert self.packed is not None

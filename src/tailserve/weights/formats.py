@@ -334,10 +334,11 @@ def pack_amx_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | Non
 
 @dataclass
 class VnniInt4:
-    """Int4 groups laid out for ts_q4a8_prefill_matmul (prompt rows as int8 dot products, the
-    activations rounded to int8 per group of 32): per 16 outputs and k-quad, lane j's four codes
-    (64 bytes), plus float32 [N/16, K/32, 16] scale and min. N padded to a multiple of 16 (zero
-    weights), cut off the output."""
+    """Int4 groups laid out for ts_q4a8_prefill_matmul (rows as int8 dot products, the activations
+    rounded to int8 per group of 32): per 16 outputs and k-quad, lane j's four codes (64 bytes),
+    plus float32 [N/16, K/32, 16] scale and min (w = scale * code + min). N padded to a multiple of
+    16 (zero weights), cut off the output. `logits`: Q8_0 groups stored as code + 128 (min = -128
+    scale) for the LM head, float32 out of ts_q8a8_matmul (`pack_vnni_int8`)."""
 
     codes: torch.Tensor  # uint8 [N/16, K/4, 16, 4]
     scale: torch.Tensor
@@ -346,26 +347,48 @@ class VnniInt4:
     out_features: int
     in_features: int
     lib: ctypes.CDLL
+    logits: bool = False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bf16 contiguous @ w.T (+ bias) -> [M, N] bf16 (a view when N was padded)."""
+        """x [M, K] bf16 contiguous @ w.T (+ bias) -> [M, N] bf16, float32 for `logits` (a view when N
+        was padded)."""
         m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
-        y = torch.empty(m, padded, dtype=torch.bfloat16)
-        bias = None if self.bias is None else ptr(self.bias)
-        ran = self.lib.ts_q4a8_prefill_matmul(
-            ptr(x), m, self.in_features, ptr(self.codes), ptr(self.scale), ptr(self.min), bias, padded, ptr(y)
-        )
+        args = (ptr(x), m, self.in_features, ptr(self.codes), ptr(self.scale), ptr(self.min))
+        if self.logits:
+            y = torch.empty(m, padded, dtype=torch.float32)
+            ran = self.lib.ts_q8a8_matmul(*args, padded, ptr(y))
+        else:
+            y = torch.empty(m, padded, dtype=torch.bfloat16)
+            bias = None if self.bias is None else ptr(self.bias)
+            ran = self.lib.ts_q4a8_prefill_matmul(*args, bias, padded, ptr(y))
         if ran != 1:
-            raise RuntimeError("ts_q4a8_prefill_matmul declined: the kernels were built without AVX512-VNNI")
+            raise RuntimeError("the int8 dot-product kernels declined: they were built without AVX512-VNNI")
         return y if padded == self.out_features else y[:, : self.out_features]
+
+
+def _vnni_layout(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (N a multiple of 16) -> [N/16, K/4, 16, 4]: lane j's k-quad side by side."""
+    rows, k = codes.shape
+    return codes.view(rows // _TILE_N, _TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def pack_vnni_int4(groups: Int4Groups, lib: ctypes.CDLL, bias: torch.Tensor | None = None) -> VnniInt4:
     n, k = groups.codes.shape
     codes, scale, low, b = _padded_groups(groups, bias)
-    rows = codes.shape[0]
-    laid = codes.view(rows // _TILE_N, _TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return VnniInt4(laid, _tiles(scale), _tiles(low), b, n, k, lib)
+    return VnniInt4(_vnni_layout(codes), _tiles(scale), _tiles(low), b, n, k, lib)
+
+
+def pack_vnni_int8(groups: Int8Groups, lib: ctypes.CDLL) -> VnniInt4:
+    """Q8_0 groups for ts_q8a8_matmul: each code stored plus 128 (0 .. 255, what VPDPBUSD's unsigned
+    operand holds), min -128 scale, so scale * stored + min is the group's exact weight."""
+    n, k = groups.codes.shape
+    if k % INT4_GROUP:
+        raise UnsupportedModelError(f"int8 groups need the input dimension ({k}) to be a multiple of 32")
+    pad = -n % _TILE_N
+    stored = (groups.codes.to(torch.int16) + 128).to(torch.uint8)
+    scale = groups.scale.float()
+    stored, scale = F.pad(stored, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad))
+    return VnniInt4(_vnni_layout(stored), _tiles(scale), _tiles(-128.0 * scale), None, n, k, lib, logits=True)
 
 
 @dataclass
