@@ -477,28 +477,34 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked(lib: ctypes.CDLL, is
 
 
 def _int8_dot_reference(
-    x: torch.Tensor, groups: Int4Groups, bias: torch.Tensor | None
+    x: torch.Tensor, groups: Int4Groups, bias: torch.Tensor | None, limit: float = 127.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, |terms|) in float64 of the int4a8 rule: x rounded to int8 per row and group of 32 (the
     group's largest |x| to 127, in float32 as the kernel does, ties to even), times the groups'
     exact weights; |terms| sums the magnitudes of each group's two parts, the codes' and the min's,
-    which the kernel adds in float32 (they cancel where one activation is far above its group)."""
+    which the kernel adds in float32 (they cancel where one activation is far above its group).
+    `limit` 16383: the int16 rounding of ts_q4a16_matmul."""
     scale = torch.from_numpy(groups.scale).double()
     low = torch.from_numpy(groups.zero).double() - 8.0 * scale
-    return _affine_int8_dot_reference(x, torch.from_numpy(groups.codes), scale, low, bias)
+    return _affine_int8_dot_reference(x, torch.from_numpy(groups.codes), scale, low, bias, limit)
 
 
 def _affine_int8_dot_reference(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    bias: torch.Tensor | None,
+    limit: float = 127.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_int8_dot_reference` for any groups w = scale * code + low (codes [N, K], scale and low [N, K/32])."""
     m, k = x.shape
     xg = x.float().view(m, k // 32, 32)
     top = xg.abs().amax(-1, keepdim=True)
     # a true division: `127.0 / top` is 127 x (1 / top) in torch, rounded twice
-    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    inv = torch.where(top > 0, torch.full_like(top, limit) / top, torch.zeros_like(top))
     xq = (xg * inv).round().double()
-    d = (top / 127.0).double()
+    d = (top / limit).double()
     codes = codes.double().view(-1, k // 32, 32)
     scale, low = scale.double(), low.double()
     dots = torch.einsum("mgk,ngk->mng", xq, codes)
@@ -508,14 +514,16 @@ def _affine_int8_dot_reference(
     return y, (codes_term.abs() + min_term.abs()).sum(-1)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int8", "int16"])
 @pytest.mark.parametrize(("n", "k"), [(40, 96), (960, 576), (576, 1536)])
 def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
-    lib: ctypes.CDLL, isa: str, n: int, k: int
+    lib: ctypes.CDLL, isa: str, n: int, k: int, wide: bool
 ) -> None:
     """ts_q4a8_prefill_matmul (AVX512-VNNI): the exact product of the int4 groups and the activations
     rounded to int8 per group of 32, up to float32 sums and the output's bf16 rounding; activations
     with an outlier channel; a row's bits the same alone, in any batch and at 1 or 2 threads. The
-    portable build declines, writing nothing."""
+    portable build declines, writing nothing. `wide`: ts_q4a16_matmul (decode rows), the activations
+    rounded to int16 within +-16383, on the same dot products."""
     g = torch.Generator().manual_seed(n + k)
     groups = int4_from_float(torch.randn(n, k, generator=g) * 0.05)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
@@ -525,26 +533,31 @@ def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
     if lib.ts_vnni() != 1:
         out = torch.zeros(4, 48, dtype=torch.bfloat16)
         codes = torch.zeros(3 * 24 * 64, dtype=torch.uint8)
-        ran = lib.ts_q4a8_prefill_matmul(
+        kernel = lib.ts_q4a16_matmul if wide else lib.ts_q4a8_prefill_matmul
+        ran = kernel(
             ptr(x), 4, 96, ptr(codes), ptr(torch.zeros(3 * 3 * 16)), ptr(torch.zeros(3 * 3 * 16)), None, 48, ptr(out)
         )  # fmt: skip
         assert ran == 0 and not out.any()
         pytest.skip(f"the {isa} build has no AVX512-VNNI: it declines (checked)")
     packed = pack_vnni_int4(groups, lib, bias.float())
-    got = packed.matmul(x)
-    want, scale = _int8_dot_reference(x, groups, bias.float())
+    got = packed.matmul(x, wide)
+    want, scale = _int8_dot_reference(x, groups, bias.float(), 16383.0 if wide else 127.0)
     err = (got.double() - want).abs()
     bound = want.abs() * 2**-8 + scale * 2**-20
     assert bool((err <= bound).all()), f"worst error / bound {(err / bound).max():.3g}"
-    alone = torch.cat([packed.matmul(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
+    if wide:  # int16 activations: nearer the unrounded product than int8's
+        exact = x.double() @ groups.dequantize(torch.float64).T + bias.double()
+        narrow = packed.matmul(x)
+        assert (got.double() - exact).abs().mean() < 0.5 * (narrow.double() - exact).abs().mean()
+    alone = torch.cat([packed.matmul(x[i : i + 1].contiguous(), wide) for i in range(x.shape[0])])
     assert torch.equal(alone, got)
-    assert torch.equal(packed.matmul(x[7:50].contiguous()), got[7:50])
+    assert torch.equal(packed.matmul(x[7:50].contiguous(), wide), got[7:50])
     before = lib.ts_threads()
     try:
         lib.ts_set_threads(1)
-        one = packed.matmul(x)
+        one = packed.matmul(x, wide)
         lib.ts_set_threads(2)
-        assert torch.equal(one, got) and torch.equal(packed.matmul(x), got)
+        assert torch.equal(one, got) and torch.equal(packed.matmul(x, wide), got)
     finally:
         lib.ts_set_threads(before)
 

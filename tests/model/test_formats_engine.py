@@ -128,8 +128,9 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
     monkeypatch.setattr(cpu_kernels, "tile_matmuls", lambda: None)  # no AMX, no AVX512-BF16
     assert [plan_for(f, CPU).prefill for f in ("int4", "int8", "bf16")] == ["int4a8", "fp32w", "bf16"]
-    # decode rows on the same kernel (torch's int4 one runs bf16 emulated here), the q8 head on VNNI
-    assert (plan_for("int4", CPU).decode, plan_for("int4", CPU).head) == ("int4a8", "q8")
+    # decode rows on the same codes with int16 activations (torch's int4 kernel runs bf16 emulated
+    # here), the q8 head on int8 dot products
+    assert (plan_for("int4", CPU).decode, plan_for("int4", CPU).head) == ("int4a16", "q8")
     assert plan_for("int8", CPU).head == "int8"
     loaded = load_model("dummy:tiny", torch.float32)
     model = build_model(loaded, "int4", CPU, 64)
@@ -137,7 +138,13 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
     assert all(linear.weight is None and linear.vnni4 is not None for linear in linears)
     assert all(linear.int4 is None and linear.amx4 is None for linear in linears)  # one form of each weight
     x = torch.randn(5, linears[0].in_features).to(torch.bfloat16)
-    assert torch.equal(linears[0](x, 3), linears[0](x, 0))  # decode rows: the prompt rows' bits
+    vnni = linears[0].vnni4
+    assert vnni is not None
+    mixed = linears[0](x, 3)  # 3 decode rows, 2 prompt rows
+    assert torch.equal(mixed[:3], vnni.matmul(x[:3], wide=True)) and torch.equal(
+        mixed[3:], vnni.matmul(x[3:])
+    )
+    assert not torch.equal(mixed[:3], vnni.matmul(x[:3]))
     head = model.lm_head
     assert isinstance(head.amx8, VnniInt4) and head.amx8.logits and head.refine_with is not None
     dense = build_model(loaded, "int8", CPU, 64)

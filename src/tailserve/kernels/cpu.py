@@ -73,6 +73,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "ts_pack_q4": [_P, _I, _I, _P],
     "ts_q4a8_prefill_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_q8a8_matmul": [_P, _I, _I, _P, _P, _P, _I, _P],
+    "ts_q4a16_matmul": [_P, _I, _I, _P, _P, _P, _P, _I, _P],
     "ts_apply_token_bitmask": [_P, _I, _P, _I, _P, _I, _I],
     "ts_decode_layers": [_P, _I, *[_P] * 7, *[_I] * 6, *[_P] * 5, _I, _P, _I, _F, _F, ctypes.c_int],
 }
@@ -189,6 +190,7 @@ def load() -> ctypes.CDLL | None:
     lib.ts_vnni.restype = ctypes.c_int
     lib.ts_q4a8_prefill_matmul.restype = ctypes.c_int  # 1: ran (VNNI); 0: nothing written
     lib.ts_q8a8_matmul.restype = ctypes.c_int  # the same
+    lib.ts_q4a16_matmul.restype = ctypes.c_int  # the same
     lib.ts_set_threads.argtypes = [ctypes.c_int]
     lib.ts_set_threads.restype = ctypes.c_int
     lib.ts_threads.restype = ctypes.c_int

@@ -2054,32 +2054,43 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
 
 typedef struct {
     const bf16 *x;
-    int8_t *xq;
+    int8_t *xq, *xlo; /* xlo: NULL, or (a16) the low 7 bits of each value, xq then its high bits */
     float *d, *xsum;
     int64_t k, groups;
 } qa_quant_args;
 
-/* Rows r0 .. r1 - 1 of x rounded to int8 per group of 32, with each group's d and exact sum. */
+/* Rows r0 .. r1 - 1 of x rounded to int8 per group of 32 (to int16 within +-16383 where xlo is
+ * set: q = 128 xq + xlo, xlo in 0 .. 127, xq in -128 .. 127), with each group's d and exact sum. */
 static void qa_quant_rows(const void *arg, int64_t r0, int64_t r1) {
     const qa_quant_args *a = (const qa_quant_args *)arg;
+    const float limit = a->xlo == NULL ? 127.0f : 16383.0f;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < a->groups; g++) {
             const bf16 *src = a->x + r * a->k + 32 * g;
             const __m512 lo = load16_bf16(src), hi = load16_bf16(src + 16);
             const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? limit / top : 0.0f);
             int8_t *dst = a->xq + r * a->k + 32 * g;
             const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(qhi));
-            const float d = top / 127.0f;
+            if (a->xlo == NULL) {
+                _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(qlo));
+                _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+            } else {
+                const __m512i low7 = _mm512_set1_epi32(127);
+                int8_t *low = a->xlo + r * a->k + 32 * g;
+                _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qlo, 7)));
+                _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qhi, 7)));
+                _mm_storeu_si128((__m128i *)low, _mm512_cvtepi32_epi8(_mm512_and_si512(qlo, low7)));
+                _mm_storeu_si128((__m128i *)(low + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(qhi, low7)));
+            }
+            const float d = top / limit;
             a->d[r * a->groups + g] = d;
             a->xsum[r * a->groups + g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
 }
 
 typedef struct {
-    const int8_t *xq;
+    const int8_t *xq, *xlo; /* xlo: as qa_quant_args' */
     const float *d, *xsum;
     const uint8_t *w;
     const float *scale, *min;
@@ -2090,6 +2101,20 @@ typedef struct {
 } qa_job;
 
 /* Rows m .. m + MR - 1 x tiles t .. t + NT - 1 of the output, every group in order. */
+static inline __attribute__((always_inline)) void qa_pass(__m512i acc[6][2], const uint8_t *w, int64_t tile_bytes,
+                                                          const int8_t *xg, int64_t k, const int MR, const int NT) {
+    for (int c = 0; c < 8; c++) {
+        __m512i wv[2];
+        for (int u = 0; u < NT; u++) wv[u] = _mm512_loadu_si512(w + u * tile_bytes + 64 * c);
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, xg + i * k + 4 * c, 4);
+            const __m512i xb = _mm512_set1_epi32(quad);
+            for (int u = 0; u < NT; u++) acc[i][u] = _mm512_dpbusd_epi32(acc[i][u], wv[u], xb);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int64_t t, int64_t m, const int MR,
                                                            const int NT) {
     const int64_t k = j->k, groups = j->groups, tile_bytes = (k / 4) * 64;
@@ -2101,16 +2126,11 @@ static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int6
         for (int i = 0; i < MR; i++)
             for (int u = 0; u < NT; u++) acc[i][u] = _mm512_setzero_si512();
         const uint8_t *w = j->w + t * tile_bytes + g * 8 * 64;
-        const int8_t *xg = j->xq + m * k + 32 * g;
-        for (int c = 0; c < 8; c++) {
-            __m512i wv[2];
-            for (int u = 0; u < NT; u++) wv[u] = _mm512_loadu_si512(w + u * tile_bytes + 64 * c);
-            for (int i = 0; i < MR; i++) {
-                int32_t quad;
-                memcpy(&quad, xg + i * k + 4 * c, 4);
-                const __m512i xb = _mm512_set1_epi32(quad);
-                for (int u = 0; u < NT; u++) acc[i][u] = _mm512_dpbusd_epi32(acc[i][u], wv[u], xb);
-            }
+        qa_pass(acc, w, tile_bytes, j->xq + m * k + 32 * g, k, MR, NT);
+        if (j->xlo != NULL) { /* a16: 128 x (codes . high bits) + codes . low bits, exact in int32 */
+            for (int i = 0; i < MR; i++)
+                for (int u = 0; u < NT; u++) acc[i][u] = _mm512_slli_epi32(acc[i][u], 7);
+            qa_pass(acc, w, tile_bytes, j->xlo + m * k + 32 * g, k, MR, NT);
         }
         for (int u = 0; u < NT; u++) {
             const __m512 sc = _mm512_loadu_ps(j->scale + ((t + u) * groups + g) * 16);
@@ -2168,17 +2188,18 @@ int ts_vnni(void) {
 
 #if defined(TS_VNNI)
 static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
-                      const float *min, const bf16 *bias, int64_t n_out, bf16 *out, float *out32) {
+                      const float *min, const bf16 *bias, int64_t n_out, bf16 *out, float *out32, int a16) {
     const int64_t groups = k / 32, tiles = n_out / 16;
     const size_t xq_bytes = (size_t)(rows * k + 63) / 64 * 64;
-    uint8_t *buf = (uint8_t *)scratch_grow(&qa_scratch, xq_bytes + 2 * (size_t)(rows * groups) * sizeof(float));
+    const size_t bytes = (a16 ? 2 : 1) * xq_bytes + 2 * (size_t)(rows * groups) * sizeof(float);
+    uint8_t *buf = (uint8_t *)scratch_grow(&qa_scratch, bytes);
     if (buf == NULL) abort();
-    int8_t *xq = (int8_t *)buf;
-    float *d = (float *)(buf + xq_bytes), *xsum = d + rows * groups;
-    const qa_quant_args qa = {x, xq, d, xsum, k, groups};
+    int8_t *xq = (int8_t *)buf, *xlo = a16 ? (int8_t *)(buf + xq_bytes) : NULL;
+    float *d = (float *)(buf + (a16 ? 2 : 1) * xq_bytes), *xsum = d + rows * groups;
+    const qa_quant_args qa = {x, xq, xlo, d, xsum, k, groups};
     parallel_rows(qa_quant_rows, &qa, rows, k);
     const int64_t tile_blocks = (tiles + QA_TILES - 1) / QA_TILES;
-    const qa_job job = {xq, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks};
+    const qa_job job = {xq, xlo, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks};
     parallel_chunks(qa_chunk, &job, tile_blocks * ((rows + QA_ROWS - 1) / QA_ROWS));
 }
 #endif
@@ -2190,7 +2211,7 @@ static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *cod
 int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                            const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
 #if defined(TS_VNNI)
-    qa_matmul(x, rows, k, codes, scale, min, bias, n_out, out, NULL);
+    qa_matmul(x, rows, k, codes, scale, min, bias, n_out, out, NULL, 0);
     return 1;
 #else
     (void)x, (void)rows, (void)k, (void)codes, (void)scale, (void)min, (void)bias, (void)n_out, (void)out;
@@ -2205,7 +2226,7 @@ int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t
 int ts_q8a8_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                    const float *min, int64_t n_out, float *out) {
 #if defined(TS_VNNI)
-    qa_matmul(x, rows, k, codes, scale, min, NULL, n_out, NULL, out);
+    qa_matmul(x, rows, k, codes, scale, min, NULL, n_out, NULL, out, 0);
     return 1;
 #else
     (void)x, (void)rows, (void)k, (void)codes, (void)scale, (void)min, (void)n_out, (void)out;
@@ -2251,17 +2272,42 @@ void ts_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *wo
     }
 }
 
-/* ts_q4a8_prefill_matmul as ts_decode_layers calls its matmuls (the caller checked ts_vnni). */
+/* Decode rows where the CPU has VNNI but no bf16 arithmetic (`int4a16`): ts_q4a8_prefill_matmul's
+ * groups and layout, the activations rounded to int16 (within +-16383, 2^-14 of the group's largest
+ * |x|: nearly exact, where int8's 1/254 cost a decode row's top-1 1.4 points) and split in two
+ * bytes, 128 x high + low, each multiplied on VPDPBUSD: twice the dot products of int8 activations,
+ * the same codes read. Integer sums, so a row's bits hold at any thread count and batch. Returns 0
+ * (nothing written) where the build has no VNNI. */
+int ts_q4a16_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                    const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
+#if defined(TS_VNNI)
+    qa_matmul(x, rows, k, codes, scale, min, bias, n_out, out, NULL, 1);
+    return 1;
+#else
+    (void)x, (void)rows, (void)k, (void)codes, (void)scale, (void)min, (void)bias, (void)n_out, (void)out;
+    return 0;
+#endif
+}
+
+/* The VNNI matmuls as ts_decode_layers calls its matmuls (the caller checked ts_vnni). */
 static void q4a8_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                         const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
     (void)ts_q4a8_prefill_matmul(x, rows, k, codes, scale, min, bias, n_out, out);
+}
+
+static void q4a16_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                         const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
+    (void)ts_q4a16_matmul(x, rows, k, codes, scale, min, bias, n_out, out);
 }
 
 /* --- A decode step's layers from one call ------------------------------------------------------
  *
  * A step of decode rows only runs every layer's kernels from this loop: the calls and arguments of
  * the fused forward's layer-by-layer path (cpu_fused.py), so its bits, without a Python call between
- * two kernels (a few microseconds each, nine a layer, the team's other threads spinning meanwhile). */
+ * two kernels (a few microseconds each, nine a layer, the team's other threads spinning meanwhile).
+ * `vnni` picks the matmul: 0 the int4 tile kernel (ts_q4_matmul), 1 int8 activations
+ * (ts_q4a8_prefill_matmul), 2 int16 activations (ts_q4a16_matmul); 1 and 2 read codes, scale and
+ * min where 0 reads packed, scale and shifted min. */
 typedef struct {
     const uint8_t *packed[4]; /* qkv, o, gate|up, down: ts_q4_matmul's packed groups */
     const float *scale[4];
@@ -2275,10 +2321,10 @@ void ts_decode_layers(const ts_decode_layer *layers, int64_t n_layers, float *h,
                       bf16 *o, bf16 *gate_up, bf16 *act, int64_t rows, int64_t dim, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, int64_t inter, const int64_t *positions, const float *cos_half,
                       const float *sin_half, const int64_t *slots, const int64_t *block_tables, int64_t table_width,
-                      const int64_t *lens, int64_t block_size, float eps, float scale, int int4a8) {
+                      const int64_t *lens, int64_t block_size, float eps, float scale, int vnni) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, q_size = heads * head_dim;
     void (*const mm)(const bf16 *, int64_t, int64_t, const uint8_t *, const float *, const float *, const bf16 *,
-                     int64_t, bf16 *) = int4a8 ? q4a8_matmul : ts_q4_matmul;
+                     int64_t, bf16 *) = vnni == 2 ? q4a16_matmul : vnni == 1 ? q4a8_matmul : ts_q4_matmul;
     for (int64_t i = 0; i < n_layers; i++) {
         const ts_decode_layer *l = &layers[i];
         mm(x, rows, dim, l->packed[0], l->scale[0], l->shifted_min[0], l->bias[0], width, qkv);

@@ -18,6 +18,7 @@ decode rows only runs them all from one C call (ts_decode_layers): bit for bit t
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import NamedTuple, cast
 
 import torch
@@ -103,6 +104,10 @@ class FusedCpuForward:
         # Rows a prompt chunk needs for the prompt attention kernel (fewer: a decode query each).
         amx = cpu_kernels.amx() is not None
         self.prompt_min_rows = PROMPT_KERNEL_MIN_ROWS if amx else FMA_PROMPT_KERNEL_MIN_ROWS
+        # ts_decode_layers' matmul: 1 / 2 where every decode row runs int8 dot products (int4a8 /
+        # int4a16), 0 (the int4 tile kernel) otherwise
+        kernels = {linear.decode_kernel for layer in self.layers for linear in layer.linears()}
+        self.decode_vnni = {frozenset({"int4a8"}): 1, frozenset({"int4a16"}): 2}.get(frozenset(kernels), 0)
 
     def __call__(
         self,
@@ -130,8 +135,8 @@ class FusedCpuForward:
         prompts = self._prompt_queries(meta)
         q_size = self.q_size
         plans = self._prompt_plans() if self.model.tp is None else None
-        if plans is not None and (d == 0 or (plans[0].int4a8 and d < t)):
-            # prompt rows only, or (int4a8: one kernel for every row) decodes beside prompt rows
+        if plans is not None and (d == 0 or (plans[0].int4a8 and self.decode_vnni and d < t)):
+            # prompt rows only, or (int8 dot products for both kinds of rows) decodes beside them
             self._prompt_layers(
                 plans,
                 x,
@@ -225,16 +230,19 @@ class FusedCpuForward:
             (qkv_p + q_start * row, rows, start_pos, ptr(table), ptr(lens), attn_p + q_start * 2 * heads * hd)
             for q_start, rows, start_pos, table, lens in prompts
         ]
-        prefill, silu, add_norm = lib.ts_q4_prefill_matmul, lib.ts_q4_prefill_silu_matmul, lib.ts_add_rms_norm
+        silu, add_norm = lib.ts_q4_prefill_silu_matmul, lib.ts_add_rms_norm
+        prefill: Callable[..., object] = lib.ts_q4_prefill_matmul
         int4a8 = plans[
             0
         ].int4a8  # int8 dot products: gate|up written, then SiLU x up (the module path's calls)
+        d, tables, lens = decodes
         if int4a8:
             prefill = lib.ts_q4a8_prefill_matmul
+            if d and self.decode_vnni == 2:  # decode rows on int16 activations, the rest on int8
+                prefill = _split_rows(d, lib.ts_q4a16_matmul, lib.ts_q4a8_prefill_matmul)
         gu = torch.empty(t, 2 * self.inter, dtype=torch.bfloat16) if int4a8 else None  # held to the end
         gu_p = None if gu is None else ptr(gu)
         scale = self.scale
-        d, tables, lens = decodes
         dec_tables_p, dec_lens_p, table_width = ptr(tables), ptr(lens), tables.stride(0) if d else 0
         for i, plan in enumerate(plans):
             k_p, v_p = ptr(kv_caches[i][0]), ptr(kv_caches[i][1])
@@ -320,7 +328,7 @@ class FusedCpuForward:
         self.lib.ts_decode_layers(
             self._decode_table(plans, kv_caches), len(plans), ptr(h), ptr(x), ptr(qkv), ptr(attn), ptr(o),
             ptr(gate_up), ptr(act), t, dim, heads, self.kv_heads, hd, inter, pos_p, cos_p, sin_p, slot_p,
-            ptr(tables), tables.stride(0), ptr(lens), block, self.eps, self.scale, int(plans[0].int4a8),
+            ptr(tables), tables.stride(0), ptr(lens), block, self.eps, self.scale, self.decode_vnni,
         )  # fmt: skip
 
     def _decode_table(
@@ -433,7 +441,7 @@ def _decode_plan(layer: DecoderLayer) -> _LayerPlan | None:
     """The layer's plan for decode rows, or None unless each linear runs them on the int4 tile kernel
     (ts_q4_matmul: the AMX or AVX512-BF16 build) or all on int8 dot products (`int4a8`: the prompt
     rows' plan) with no padded outputs."""
-    if all(linear.decode_kernel == "int4a8" for linear in layer.linears()):
+    if all(linear.decode_kernel in ("int4a8", "int4a16") for linear in layer.linears()):
         return _layer_plan(layer)
     args: list[tuple[int, int, int, int | None]] = []
     for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -444,3 +452,16 @@ def _decode_plan(layer: DecoderLayer) -> _LayerPlan | None:
         args.append((ptr(amx4.packed), ptr(amx4.scale), ptr(amx4.shifted_min), bias))
     qkv, o, gate_up, down = args
     return _LayerPlan(qkv, o, gate_up, down, ptr(layer.input_norm), ptr(layer.post_norm))
+
+
+def _split_rows(d: int, first: Callable[..., int], rest: Callable[..., int]) -> Callable[..., None]:
+    """A matmul with ts_q4a8_prefill_matmul's arguments that runs the first `d` rows on `first` and
+    the others on `rest` (bf16 rows: 2 bytes an element)."""
+
+    def run(
+        x: int, rows: int, k: int, codes: int, scale: int, low: int, bias: int | None, n: int, out: int
+    ) -> None:
+        first(x, d, k, codes, scale, low, bias, n, out)
+        rest(x + 2 * d * k, rows - d, k, codes, scale, low, bias, n, out + 2 * d * n)
+
+    return run

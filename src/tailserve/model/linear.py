@@ -29,9 +29,10 @@ from tailserve.weights.formats import (
     pack_vnni_int4,
 )
 
-# Decode-row kernels. `int4a8` (CPUs without bf16 arithmetic, with AVX512-VNNI): the prompt rows'
-# int8 dot products over the int4 groups, for decode rows too (formats.plan_for).
-KERNELS = ("fp32", "bf16", "int4", "int8", "int4a8")
+# Decode-row kernels. `int4a8` and `int4a16` (CPUs without bf16 arithmetic, with AVX512-VNNI): the
+# int4 groups on int8 dot products, the activations rounded to int8 (the prompt rows' kernel) or to
+# int16 (formats.plan_for).
+KERNELS = ("fp32", "bf16", "int4", "int8", "int4a8", "int4a16")
 PACK_ROWS_HINT = 256  # the rows oneDNN's weight layout is chosen for: a full step budget of prompt rows
 # The dense copy's dtype per prompt-row kernel. `fp32w`: bf16 activations in and out, the product on
 # a float32 copy of the weights, for CPUs that have no bf16 arithmetic (formats.plan_for): there
@@ -86,7 +87,7 @@ class Linear(nn.Module):
             decode not in KERNELS
             or (prefill not in _DENSE_DTYPES and not ((amx_prefill or vnni_prefill) and decode == "int4"))
             or (prefill == "fp32") != (decode == "fp32")
-        ) and not (decode == prefill == "int4a8"):
+        ) and not (decode in ("int4a8", "int4a16") and prefill == "int4a8"):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
         self.out_features, self.in_features = source.dense.shape
@@ -187,8 +188,9 @@ class Linear(nn.Module):
 
     def decode_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous through the decode kernel alone (what every decode row runs)."""
-        if self.decode_kernel == "int4a8":
-            return self.prefill_matmul(x)
+        if self.decode_kernel in ("int4a8", "int4a16"):
+            assert self.vnni4 is not None
+            return self.vnni4.matmul(x, wide=self.decode_kernel == "int4a16")
         if self.amx4 is not None:
             return self.amx4.matmul(x)
         packed = self.int4 if self.int4 is not None else self.int8

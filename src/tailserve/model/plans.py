@@ -83,10 +83,12 @@ def plan_for(
         # The dense copy only serves prompt rows here: float32 runs them ~4.5x faster than torch's
         # emulated bf16 GEMM (docs/ENGINE.md, "CPUs without bf16 arithmetic"), for the same memory
         # as the bf16 copy and its oneDNN-packed twin. int4 with AVX512-VNNI goes further: its
-        # groups times int8-rounded activations on int8 dot products (`int4a8`), no dense copy,
-        # for decode rows too (torch's int4 kernel runs bf16 emulated: 1.5-2.5x slower).
+        # groups times int8-rounded activations on int8 dot products (`int4a8`), no dense copy. Its
+        # decode rows take the same codes with int16-rounded activations (`int4a16`: torch's int4
+        # kernel runs bf16 emulated there, 1.5-2.6x slower; int8 decode rows would be faster at 4+
+        # rows but cost a decode row's top-1 1.5 points, docs/ENGINE.md).
         prefill = "int4a8" if plan.decode == "int4" and cpu_kernels.vnni() is not None else "fp32w"
-        decode = "int4a8" if prefill == "int4a8" else decode
+        decode = "int4a16" if prefill == "int4a8" else decode
     return FormatPlan(decode, prefill, head, dense_decode_from_rows)
 
 

@@ -349,9 +349,9 @@ class VnniInt4:
     lib: ctypes.CDLL
     logits: bool = False
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """x [M, K] bf16 contiguous @ w.T (+ bias) -> [M, N] bf16, float32 for `logits` (a view when N
-        was padded)."""
+        was padded). `wide`: the activations rounded to int16 instead (ts_q4a16_matmul: decode rows)."""
         m, padded = x.shape[0], self.scale.shape[0] * _TILE_N
         args = (ptr(x), m, self.in_features, ptr(self.codes), ptr(self.scale), ptr(self.min))
         if self.logits:
@@ -360,7 +360,8 @@ class VnniInt4:
         else:
             y = torch.empty(m, padded, dtype=torch.bfloat16)
             bias = None if self.bias is None else ptr(self.bias)
-            ran = self.lib.ts_q4a8_prefill_matmul(*args, bias, padded, ptr(y))
+            kernel = self.lib.ts_q4a16_matmul if wide else self.lib.ts_q4a8_prefill_matmul
+            ran = kernel(*args, bias, padded, ptr(y))
         if ran != 1:
             raise RuntimeError("the int8 dot-product kernels declined: they were built without AVX512-VNNI")
         return y if padded == self.out_features else y[:, : self.out_features]
