@@ -38,7 +38,8 @@ PLANS = {
     # With the fused CPU kernels' AMX matmuls, prompt rows widen the same int4 groups to bf16 on the
     # fly (no dense copy kept); with AMX or AVX512-BF16 the head is q8: the file's Q8_0 groups,
     # float32 sums. Where those are missing, plan_for makes them bf16 (prompt rows on a float32
-    # copy, `fp32w`, where the CPU has no bf16 arithmetic).
+    # copy, `fp32w`, where the CPU has no bf16 arithmetic), or, on such a CPU with AVX512-VNNI, runs
+    # every row and the q8 head on int8 dot products (`int4a8` prompt rows, `int4a16` decode rows).
     "int4": FormatPlan(decode="int4", prefill="int4", head="q8"),
     "int8": FormatPlan(decode="int8", prefill="bf16", head="int8"),
 }
