@@ -151,3 +151,31 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
     assert sum(map(Linear.weight_bytes, linears)) * 2 < sum(map(Linear.weight_bytes, dense.prompt_linears()))
     runner = ModelRunner(model, 16, 16, CPU, kv_dtype=torch.bfloat16, num_threads=2)
     assert make_lane(runner) is not None
+
+
+def test_int8_dot_products_run_the_files_own_int4_groups(
+    monkeypatch: pytest.MonkeyPatch, smol: LoadedModel
+) -> None:
+    """On a CPU with VNNI and no bf16 arithmetic the int4 model's every linear (decode rows included)
+    runs the file's own Q4_1 groups as stored, never a re-quantization of their floats (which a
+    file whose groups miss code 0 or 15 would not survive), and its head the file's Q8_0 groups."""
+    import tailserve.model.linear as linear_module
+    from tailserve.kernels import cpu as cpu_kernels
+    from tailserve.weights.formats import int8_groups_from_blocks, pack_vnni_int8
+
+    lib = cpu_kernels.vnni()
+    if lib is None:
+        pytest.skip("the kernels here have no AVX512-VNNI build (the portable build, or no compiler)")
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "tile_matmuls", lambda: None)
+
+    def requantized(_: torch.Tensor) -> None:
+        raise AssertionError("a linear re-quantized its weight instead of taking the file's groups")
+
+    monkeypatch.setattr(linear_module, "int4_from_float", requantized)
+    model = build_model(smol, "int4", CPU, 64)
+    assert all(linear.decode_kernel == "int4a16" for linear in model.prompt_linears())
+    head_groups = int8_groups_from_blocks(smol.blocks["model.embed_tokens.weight"])
+    assert head_groups is not None and isinstance(model.lm_head.amx8, VnniInt4)
+    assert torch.equal(model.lm_head.amx8.codes, pack_vnni_int8(head_groups, lib).codes)

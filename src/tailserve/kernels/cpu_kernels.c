@@ -2206,8 +2206,7 @@ static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *cod
 
 /* out [rows, n_out] bf16 = x [rows, k] bf16 through the int4 groups, the activations rounded to
  * int8 per group of 32 (see above); n_out and k multiples of 16 and 32. Returns 0 (nothing
- * written) where the build has no VNNI. Prompt rows and, where the CPU has no bf16 arithmetic,
- * decode rows too (one kernel for both: a token's bits do not depend on which kind of row it was). */
+ * written) where the build has no VNNI. Prompt rows; decode rows take ts_q4a16_matmul (below). */
 int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                            const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
 #if defined(TS_VNNI)

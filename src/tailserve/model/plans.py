@@ -114,7 +114,7 @@ def build_model(
     plan = plan_for(weight_format, device, head, dense_decode_from_rows)
     blocks = loaded.blocks
     int4: dict[str, Int4Groups] = {}
-    if plan.decode in ("int4", "int4a8") or plan.head == "int4":
+    if plan.decode in ("int4", "int4a8", "int4a16") or plan.head == "int4":
         for name, t in blocks.items():
             groups = int4_from_blocks(t)
             if groups is not None:  # cut at once under TP: never every layer's whole groups at a time
