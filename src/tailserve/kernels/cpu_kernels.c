@@ -2115,8 +2115,9 @@ static inline __attribute__((always_inline)) void qa_pass(__m512i acc[6][2], con
     }
 }
 
+/* A16 (compile-time in every call): the activations' low bytes in a second pass (ts_q4a16_matmul). */
 static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int64_t t, int64_t m, const int MR,
-                                                           const int NT) {
+                                                           const int NT, const int A16) {
     const int64_t k = j->k, groups = j->groups, tile_bytes = (k / 4) * 64;
     __m512 out[6][2];
     for (int i = 0; i < MR; i++)
@@ -2127,7 +2128,7 @@ static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int6
             for (int u = 0; u < NT; u++) acc[i][u] = _mm512_setzero_si512();
         const uint8_t *w = j->w + t * tile_bytes + g * 8 * 64;
         qa_pass(acc, w, tile_bytes, j->xq + m * k + 32 * g, k, MR, NT);
-        if (j->xlo != NULL) { /* a16: 128 x (codes . high bits) + codes . low bits, exact in int32 */
+        if (A16) { /* 128 x (codes . high bits) + codes . low bits, exact in int32 */
             for (int i = 0; i < MR; i++)
                 for (int u = 0; u < NT; u++) acc[i][u] = _mm512_slli_epi32(acc[i][u], 7);
             qa_pass(acc, w, tile_bytes, j->xlo + m * k + 32 * g, k, MR, NT);
@@ -2152,8 +2153,7 @@ static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int6
     }
 }
 
-static void qa_chunk(const void *arg, int64_t chunk) {
-    const qa_job *j = (const qa_job *)arg;
+static inline __attribute__((always_inline)) void qa_chunk_as(const qa_job *j, int64_t chunk, const int A16) {
     const int64_t tb = chunk % j->tile_blocks, rb = chunk / j->tile_blocks;
     const int64_t t0 = tb * QA_TILES, t1 = t0 + QA_TILES < j->tiles ? t0 + QA_TILES : j->tiles;
     const int64_t m0 = rb * QA_ROWS, m1 = m0 + QA_ROWS < j->rows ? m0 + QA_ROWS : j->rows;
@@ -2161,18 +2161,24 @@ static void qa_chunk(const void *arg, int64_t chunk) {
         const int pair = t + 1 < t1;
         int64_t m = m0;
         for (; m + 6 <= m1; m += 6) {
-            if (pair) qa_block(j, t, m, 6, 2);
-            else qa_block(j, t, m, 6, 1);
+            if (pair) qa_block(j, t, m, 6, 2, A16);
+            else qa_block(j, t, m, 6, 1, A16);
         }
         for (; m + 2 <= m1; m += 2) {
-            if (pair) qa_block(j, t, m, 2, 2);
-            else qa_block(j, t, m, 2, 1);
+            if (pair) qa_block(j, t, m, 2, 2, A16);
+            else qa_block(j, t, m, 2, 1, A16);
         }
         for (; m < m1; m++) {
-            if (pair) qa_block(j, t, m, 1, 2);
-            else qa_block(j, t, m, 1, 1);
+            if (pair) qa_block(j, t, m, 1, 2, A16);
+            else qa_block(j, t, m, 1, 1, A16);
         }
     }
+}
+
+static void qa_chunk(const void *arg, int64_t chunk) {
+    const qa_job *j = (const qa_job *)arg;
+    if (j->xlo != NULL) qa_chunk_as(j, chunk, 1);
+    else qa_chunk_as(j, chunk, 0);
 }
 
 static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
