@@ -146,7 +146,7 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
     )
     assert not torch.equal(mixed[:3], vnni.matmul(x[:3]))
     head = model.lm_head
-    assert isinstance(head.amx8, VnniInt4) and head.amx8.logits and head.refine_with is not None
+    assert isinstance(head.q8, VnniInt4) and head.q8.logits and head.refine_with is not None
     dense = build_model(loaded, "int8", CPU, 64)
     assert sum(map(Linear.weight_bytes, linears)) * 2 < sum(map(Linear.weight_bytes, dense.prompt_linears()))
     runner = ModelRunner(model, 16, 16, CPU, kv_dtype=torch.bfloat16, num_threads=2)
@@ -177,5 +177,5 @@ def test_int8_dot_products_run_the_files_own_int4_groups(
     model = build_model(smol, "int4", CPU, 64)
     assert all(linear.decode_kernel == "int4a16" for linear in model.prompt_linears())
     head_groups = int8_groups_from_blocks(smol.blocks["model.embed_tokens.weight"])
-    assert head_groups is not None and isinstance(model.lm_head.amx8, VnniInt4)
-    assert torch.equal(model.lm_head.amx8.codes, pack_vnni_int8(head_groups, lib).codes)
+    assert head_groups is not None and isinstance(model.lm_head.q8, VnniInt4)
+    assert torch.equal(model.lm_head.q8.codes, pack_vnni_int8(head_groups, lib).codes)

@@ -83,11 +83,17 @@ class Linear(nn.Module):
         self.dense_decode_from_rows = dense_decode_from_rows
         amx_prefill = prefill == "int4"  # prompt rows on the AMX kernel from the int4 groups, no dense copy
         vnni_prefill = prefill == "int4a8"  # int8 dot products over the same groups, no dense copy either
+        # int4 groups on prompt rows pair with int4 decode rows; int4a8 also with the VNNI decode kernels
+        int4_decodes = ("int4", "int4a8", "int4a16") if vnni_prefill else ("int4",)
         if (
             decode not in KERNELS
-            or (prefill not in _DENSE_DTYPES and not ((amx_prefill or vnni_prefill) and decode == "int4"))
+            or (
+                prefill not in _DENSE_DTYPES
+                and not ((amx_prefill or vnni_prefill) and decode in int4_decodes)
+            )
             or (prefill == "fp32") != (decode == "fp32")
-        ) and not (decode in ("int4a8", "int4a16") and prefill == "int4a8"):
+            or (decode in ("int4a8", "int4a16") and not vnni_prefill)
+        ):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
         self.out_features, self.in_features = source.dense.shape

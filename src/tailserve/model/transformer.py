@@ -205,7 +205,7 @@ class LMHead(nn.Module):
         self.kernel = kernel
         self.weight: nn.Parameter | None = None
         self.packed: PackedInt4 | PackedInt8 | None = None
-        self.amx8: AmxInt8 | VnniInt4 | None = None
+        self.q8: AmxInt8 | VnniInt4 | None = None
         if kernel == "q8":
             lib = cpu_kernels.tile_matmuls()
             vnni = cpu_kernels.vnni() if lib is None else None
@@ -217,10 +217,10 @@ class LMHead(nn.Module):
             # With VNNI alone: the activations rounded to int8 per group of 32 too (int8 dot products),
             # so the best REFINE_TOP are re-scored as the bf16 head's are.
             if lib is not None:
-                self.amx8, refine_with = pack_amx_int8(groups, lib), None
+                self.q8, refine_with = pack_amx_int8(groups, lib), None
             else:
                 assert vnni is not None
-                self.amx8 = pack_vnni_int8(groups, vnni)
+                self.q8 = pack_vnni_int8(groups, vnni)
         elif kernel in ("fp32", "bf16"):
             dtype = torch.float32 if kernel == "fp32" else torch.bfloat16
             self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
@@ -233,8 +233,8 @@ class LMHead(nn.Module):
         self.refine_with = None if kernel == "fp32" else refine_with
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.amx8 is not None:
-            logits = self.amx8.matmul(h.to(torch.bfloat16).contiguous())
+        if self.q8 is not None:
+            logits = self.q8.matmul(h.to(torch.bfloat16).contiguous())
         elif self.weight is not None:
             logits = F.linear(h.to(self.weight.dtype), self.weight).float()
         else:
