@@ -100,6 +100,12 @@ def test_cpus_without_bf16_run_prompt_rows_on_a_float32_copy(monkeypatch: pytest
         "bf16",
         "fp32",
     ]
+    # without VNNI, decode rows stay on torch's int4 kernel (no int4a16); with no tile matmuls
+    # either (no AMX, no AVX512-BF16) the head is bf16
+    assert plan_for("int4", CPU).decode == "int4"
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "tile_matmuls", lambda: None)
+        assert plan_for("int4", CPU).head == "bf16"
     loaded = load_model("dummy:tiny", torch.float32)
     model = build_model(loaded, "int4", CPU, 64)
     assert model.activation_dtype == torch.bfloat16
