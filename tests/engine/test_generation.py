@@ -254,8 +254,10 @@ def test_prefill_lane_same_tokens(
     assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
     # The lane's chunks are timed apart from the steps (half the threads), and counted once.
     assert engine.scheduler.lane_timer.steps == len(chunks) >= 1
-    # A lane chunk holds --lane-chunk-tokens, not the step budget (the prompts are longer than 24).
-    assert max(plan.num_prefill_tokens for plan in chunks) == 24
+    # A lane chunk holds at most --lane-chunk-tokens (24), not the step budget (32). Whether one is
+    # full depends on how much of its prompt ordinary steps took first, which is timing: with the
+    # faster decode rows of the no-bf16 kind the largest was 17 in one fresh-clone CI run of three.
+    assert 0 < max(plan.num_prefill_tokens for plan in chunks) <= 24
     stats = engine.stats()
     assert stats.steps_total == sum(h.count for h in stats.steps.duration_s)
     _assert_pool_free(llm)
