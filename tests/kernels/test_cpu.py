@@ -337,25 +337,65 @@ def _prompt_attention(
     return out
 
 
+def _int8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x (float32, last dim a multiple of 32) as the int8 prompt scores round it, in float64: per group
+    of 32 values, code = round(x x 127 / the group's largest |x|), value = code x largest / 127."""
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    top = groups.abs().amax(-1, keepdim=True).double()
+    # each quotient correctly rounded to float32, as the kernel's (torch's scalar / tensor is
+    # a reciprocal times the scalar, one float32 step off near a tie)
+    inv = torch.where(top > 0, 127.0 / top, torch.zeros_like(top)).float()
+    codes = torch.round(groups * inv).clamp(-127, 127)
+    return (codes.double() * (top / 127.0).float().double()).reshape(x.shape)
+
+
+def _int8_prompt_scores(lib: ctypes.CDLL) -> bool:
+    """True where the prompt kernel computes q.k on int8 dot products (ts_prompt_scores() == 3)."""
+    return int(lib.ts_prompt_scores()) == 3
+
+
+def test_the_prompt_scores_run_on_what_the_build_has(lib: ctypes.CDLL, isa: str) -> None:
+    """AMX tiles on the amx build, none on the portable one; between them int8 dot products where
+    the CPU has AVX512-VNNI (every AVX-512 CPU of the project's kinds), else float32 FMAs."""
+    want = {"amx": 1, "portable": 0}.get(isa, 3 if "avx512_vnni" in CPU_FLAGS.split() else 2)
+    assert lib.ts_prompt_scores() == want
+
+
 def _assert_causal_softmax(
     got: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-    start_pos: int, bs: int = 16,
+    start_pos: int, bs: int = 16, int8_scores: bool = False,
 ) -> None:  # fmt: skip
     """got against a float32 softmax attention of q [rows, heads, dim] at start_pos.. over the
     sequence's paged context, causal (the row at position p sees keys 0..p). The kernel rounds the
     weights P to bf16 (2^-8 relative each) before P V, so besides the output's rounding (2^-8 of
     |out|) an element may be off by 2^-8 of the weighted mean of |v| (the same attention over |V|);
-    float32 sums add next to nothing (the worst element here reaches 0.85 of the bound)."""
+    float32 sums add next to nothing (the worst element here reaches 0.85 of the bound). With
+    int8_scores the reference's scores are those of q (times the softmax scale in base 2) and k
+    rounded to int8 per group of 32 (_int8_groups), the kernel's rule; the same bound then holds."""
     ctx = start_pos + q.shape[0]
     keys = gather_blocks(k_cache, table, bs)[:ctx].float().transpose(0, 1)
     values = gather_blocks(v_cache, table, bs)[:ctx].float().transpose(0, 1)
     sees = torch.arange(ctx)[None, :] <= torch.arange(start_pos, ctx)[:, None]
+    scale = q.shape[-1] ** -0.5
+    queries = q.float().transpose(0, 1)
+    if int8_scores:  # the scores of q and k as each is rounded (_int8_groups), in float64
+        base2 = torch.tensor(scale, dtype=torch.float32) * torch.tensor(
+            1.44269504088896341, dtype=torch.float32
+        )
+        queries = _int8_groups(queries * base2) / base2.double()
+        keys = _int8_groups(keys)
 
     def attend(v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1), keys, v, attn_mask=sees, scale=q.shape[-1] ** -0.5, enable_gqa=True
-        )
-        return out.transpose(0, 1)
+        if not int8_scores:
+            out = F.scaled_dot_product_attention(
+                queries, keys, v, attn_mask=sees, scale=scale, enable_gqa=True
+            )
+            return out.transpose(0, 1)
+        group = queries.shape[0] // keys.shape[0]
+        k64 = keys.repeat_interleave(group, 0)
+        scores = (queries @ k64.transpose(1, 2)) * scale
+        weights = torch.softmax(scores.masked_fill(~sees, float("-inf")), dim=-1)
+        return (weights @ v.double().repeat_interleave(group, 0)).float().transpose(0, 1)
 
     want, weighted_abs = attend(values), attend(values.abs())
     err = (got.float() - want).abs()
@@ -414,7 +454,7 @@ def test_paged_prompt_attention_equals_causal_softmax_over_the_cache(
         got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, heads, kv_heads, dim)
         assert got is not None
         q = chunk[:, : heads * dim].reshape(rows, heads, dim)
-        _assert_causal_softmax(got, q, k_cache, v_cache, table, start)
+        _assert_causal_softmax(got, q, k_cache, v_cache, table, start, int8_scores=_int8_prompt_scores(lib))
 
 
 def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) -> None:
@@ -427,7 +467,14 @@ def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) 
             got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, 9, 3, 64, bs)
             assert got is not None
             _assert_causal_softmax(
-                got, chunk[:, : 9 * 64].reshape(rows, 9, 64), k_cache, v_cache, table, start, bs
+                got,
+                chunk[:, : 9 * 64].reshape(rows, 9, 64),
+                k_cache,
+                v_cache,
+                table,
+                start,
+                bs,
+                int8_scores=_int8_prompt_scores(lib),
             )
 
 
@@ -455,7 +502,14 @@ def test_the_fma_prompt_kernel_takes_head_size_128_and_small_blocks(lib: ctypes.
             got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, 8, 2, dim, bs)
             assert got is not None
             _assert_causal_softmax(
-                got, chunk[:, : 8 * dim].reshape(rows, 8, dim), k_cache, v_cache, table, start, bs
+                got,
+                chunk[:, : 8 * dim].reshape(rows, 8, dim),
+                k_cache,
+                v_cache,
+                table,
+                start,
+                bs,
+                int8_scores=_int8_prompt_scores(lib),
             )
 
 

@@ -188,6 +188,7 @@ def load() -> ctypes.CDLL | None:
     lib.ts_paged_prompt_attention.restype = ctypes.c_int  # 1: ran (AMX); 0: nothing written
     lib.ts_tile_isa.restype = ctypes.c_int
     lib.ts_vnni.restype = ctypes.c_int
+    lib.ts_prompt_scores.restype = ctypes.c_int  # 0 none, 1 AMX, 2 float32 FMAs, 3 int8 dot products
     lib.ts_q4a8_prefill_matmul.restype = ctypes.c_int  # 1: ran (VNNI); 0: nothing written
     lib.ts_q8a8_matmul.restype = ctypes.c_int  # the same
     lib.ts_q4a16_matmul.restype = ctypes.c_int  # the same

@@ -1852,11 +1852,22 @@ static void prompt_tile_chunk(const void *arg, int64_t chunk) {
  * row, so a row's bits do not depend on the rows beside it, the chunk it came in, or the thread
  * count. The per-row decode kernel it replaces for prompts runs a scalar exp per score and a
  * horizontal sum per dot product: 1,600 rows x 30 layers of the default model, 2 threads of a
- * 2-vCPU Xeon without AMX: 1,020 ms (docs/ENGINE.md, "CPUs without bf16 arithmetic"). */
+ * 2-vCPU Xeon without AMX: 1,020 ms (docs/ENGINE.md, "CPUs without bf16 arithmetic").
+ *
+ * Where the build has AVX512-VNNI (Ice Lake and later, Zen 4) the scores S^T come from int8 dot
+ * products instead (PF_QK_INT8): each key rounded to int8 per group of 32 dims when widened, each
+ * row's q (times the scale) likewise per tile, VPDPBUSD multiplying 64 byte pairs an instruction
+ * where an FMA multiplies 16 floats; group sums exact in int32, scaled and added in order, so the
+ * row invariance above holds. P V stays on float32 FMAs: P rounded to bytes loses the small weights
+ * of a long context. One layer of the default model at 4,000 rows, 2 threads: 141 -> 97 ms;
+ * quality gate: docs/ENGINE.md, "Prompt scores on int8 dot products". */
 #if !defined(TS_AMX) && defined(__AVX512F__) && defined(__AVX512DQ__)
 #define TS_PROMPT_FMA 1
 #define PF_KEYS 32
 #define PF_MAX_DIM 256
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PF_FLOAT_SCORES)
+#define PF_QK_INT8 1 /* the scores on int8 dot products (PF_FLOAT_SCORES keeps them float32, to compare) */
+#endif
 
 typedef struct {
     const bf16 *q, *k_cache, *v_cache;
@@ -1865,9 +1876,44 @@ typedef struct {
     float *kf, *vf; /* [kv_heads][key_blocks * PF_KEYS][dim], float32, zeros past ctx */
     bf16 *out;
     float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
+#if defined(PF_QK_INT8)
+    int8_t *k8;  /* [kv_heads][key_blocks * PF_KEYS][dim]: each key rounded to int8 per group of 32 */
+    float *ks;   /* [kv_heads][key_blocks * PF_KEYS][dim / 32]: the groups' scales */
+    int32_t *kc; /* the same: -128 x the group's code sum (the unsigned q codes' offset taken back) */
+#endif
 } fma_prompt_job;
 
-/* K and V of kv head g, key blocks 8 c .. 8 c + 7 of its share, widened to float32. */
+#if defined(PF_QK_INT8)
+/* 32 values (lo, hi) rounded to int8: code = x x (127 / top) rounded to nearest (even on a tie),
+ * d = top / 127, top the group's largest |x| (codes and d 0 for a group of zeros). Each division
+ * and product is one correctly rounded operation by a rounding-mode intrinsic, which -ffast-math
+ * leaves alone (it rewrote 127 / top as 1 / d, which moves codes of values near a tie: a
+ * reference must be able to repeat the rule). */
+#define PF_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline __attribute__((always_inline)) void pf_round_group(__m512 lo, __m512 hi, int32_t *codes, float *d) {
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 topv = _mm512_set1_ps(top), lim = _mm512_set1_ps(127.0f);
+    const __m512 inv = top > 0.0f ? _mm512_div_round_ps(lim, topv, PF_RN) : _mm512_setzero_ps();
+    _mm512_storeu_si512(codes, _mm512_cvtps_epi32(_mm512_mul_round_ps(lo, inv, PF_RN)));
+    _mm512_storeu_si512(codes + 16, _mm512_cvtps_epi32(_mm512_mul_round_ps(hi, inv, PF_RN)));
+    *d = _mm512_cvtss_f32(_mm512_div_round_ps(topv, lim, PF_RN));
+}
+
+/* One key (bf16, dim values) as int8 codes, a scale and -128 x the code sum per group of 32. */
+static void pf_round_keys(const bf16 *k, int64_t dim, int8_t *codes, float *d, int32_t *offset) {
+    for (int64_t g = 0; g < dim / 32; g++) {
+        int32_t c[32] __attribute__((aligned(64)));
+        pf_round_group(load16_bf16(k + 32 * g), load16_bf16(k + 32 * g + 16), c, d + g);
+        const __m512i lo = _mm512_load_si512(c), hi = _mm512_load_si512(c + 16);
+        _mm_storeu_si128((__m128i *)(codes + 32 * g), _mm512_cvtsepi32_epi8(lo));
+        _mm_storeu_si128((__m128i *)(codes + 32 * g + 16), _mm512_cvtsepi32_epi8(hi));
+        offset[g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+    }
+}
+#endif
+
+/* K and V of kv head g, key blocks 8 c .. 8 c + 7 of its share, widened to float32 (K rounded to
+ * int8 per group of 32 where the build has VNNI). */
 static void fma_prompt_widen_chunk(const void *arg, int64_t chunk) {
     const fma_prompt_job *j = (const fma_prompt_job *)arg;
     const int64_t per_head = (j->key_blocks + 7) / 8;
@@ -1875,19 +1921,31 @@ static void fma_prompt_widen_chunk(const void *arg, int64_t chunk) {
     const int64_t kb1 = kb0 + 8 < j->key_blocks ? kb0 + 8 : j->key_blocks;
     const int64_t dim = j->dim, kv_width = j->kv_heads * dim, bs = j->block_size;
     for (int64_t key = kb0 * PF_KEYS; key < kb1 * PF_KEYS; key++) {
+#if !defined(PF_QK_INT8)
         float *kd = j->kf + (g * j->key_blocks * PF_KEYS + key) * dim;
+#endif
         float *vd = j->vf + (g * j->key_blocks * PF_KEYS + key) * dim;
         if (key >= j->ctx) {
+#if defined(PF_QK_INT8)
+            const int64_t at = g * j->key_blocks * PF_KEYS + key;
+            memset(j->k8 + at * dim, 0, (size_t)dim);
+            memset(j->ks + at * (dim / 32), 0, (size_t)(dim / 32) * sizeof(float));
+            memset(j->kc + at * (dim / 32), 0, (size_t)(dim / 32) * sizeof(int32_t));
+#else
             memset(kd, 0, (size_t)dim * sizeof(float));
+#endif
             memset(vd, 0, (size_t)dim * sizeof(float));
             continue;
         }
         const int64_t slot = j->table[key / bs] * bs + key % bs;
         const bf16 *kr = j->k_cache + slot * kv_width + g * dim, *vr = j->v_cache + slot * kv_width + g * dim;
-        for (int64_t d = 0; d < dim; d += 16) {
-            _mm512_store_ps(kd + d, load16_bf16(kr + d));
-            _mm512_store_ps(vd + d, load16_bf16(vr + d));
-        }
+        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(vd + d, load16_bf16(vr + d));
+#if defined(PF_QK_INT8)
+        const int64_t at = g * j->key_blocks * PF_KEYS + key;
+        pf_round_keys(kr, dim, j->k8 + at * dim, j->ks + at * (dim / 32), j->kc + at * (dim / 32));
+#else
+        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(kd + d, load16_bf16(kr + d));
+#endif
     }
 }
 
@@ -1902,6 +1960,39 @@ static inline __attribute__((always_inline)) void fma_prompt_scores(const float 
     }
     for (int k = 0; k < 16; k++) _mm512_store_ps(s + 16 * k, acc[k]);
 }
+
+#if defined(PF_QK_INT8)
+/* S^T of keys k0 .. k0 + 15 from int8 dot products: qt8 the tile's 16 rows' codes + 128 (unsigned),
+ * 4 dims a lane, [dim / 4][16][4]; qd their scales [dim / 32][16]; kh, khd, khc the keys' codes,
+ * scales and offsets (pf_round_keys). S^T[k] = sum over groups g (in order) of
+ * qd[g] x khd[k][g] x (the group's integer sum of q codes x k codes), exact in int32. */
+static inline __attribute__((always_inline)) void vnni_prompt_scores(const uint8_t *qt8, const float *qd,
+                                                                     const int8_t *kh, const float *khd,
+                                                                     const int32_t *khc, int64_t dim, float *s) {
+    const int64_t groups = dim / 32;
+    for (int k8 = 0; k8 < 16; k8 += 8) {
+        __m512 f[8];
+        for (int k = 0; k < 8; k++) f[k] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm512_set1_epi32(khc[(k8 + k) * groups + g]);
+            for (int64_t c = 0; c < 8; c++) {
+                const __m512i qv = _mm512_load_si512(qt8 + 64 * (8 * g + c));
+                for (int k = 0; k < 8; k++) {
+                    int32_t quad;
+                    memcpy(&quad, kh + (k8 + k) * dim + 32 * g + 4 * c, 4);
+                    acc[k] = _mm512_dpbusd_epi32(acc[k], qv, _mm512_set1_epi32(quad));
+                }
+            }
+            const __m512 qg = _mm512_load_ps(qd + 16 * g);
+            for (int k = 0; k < 8; k++)
+                f[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k]),
+                                       _mm512_mul_ps(qg, _mm512_set1_ps(khd[(k8 + k) * groups + g])), f[k]);
+        }
+        for (int k = 0; k < 8; k++) _mm512_store_ps(s + 16 * (k8 + k), f[k]);
+    }
+}
+#endif
 
 /* O^T[d0 .. d0 + 15] (16 rows each, in o) rescaled by alpha, plus the nk keys' P^T (in s) times
  * their values (float32 rows vk, dim apart). */
@@ -1940,18 +2031,46 @@ static void fma_prompt_tile(const fma_prompt_job *j, int64_t g, int64_t t) {
         const bf16 *row = j->q + i * j->q_stride + h * dim;
         for (int64_t d = 0; d < dim; d++) qt[16 * d + m] = bf16_to_f32(row[d]) * j->scale_log2;
     }
+#if defined(PF_QK_INT8)
+    /* each row's q (scaled) rounded to int8 per group of 32, stored + 128 four dims a lane */
+    uint8_t qt8[PF_MAX_DIM * 16] __attribute__((aligned(64)));
+    float qd[PF_MAX_DIM / 32 * 16] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < 16; m++) {
+        float col[PF_MAX_DIM] __attribute__((aligned(64)));
+        int32_t codes[PF_MAX_DIM] __attribute__((aligned(64)));
+        for (int64_t d = 0; d < dim; d++) col[d] = qt[16 * d + m];
+        for (int64_t g = 0; g < dim / 32; g++)
+            pf_round_group(_mm512_load_ps(col + 32 * g), _mm512_load_ps(col + 32 * g + 16), codes + 32 * g,
+                           qd + 16 * g + m);
+        for (int64_t d = 0; d < dim; d++) qt8[64 * (d / 4) + 4 * m + d % 4] = (uint8_t)(codes[d] + 128);
+    }
+    const int8_t *k8 = j->k8 + g * j->key_blocks * PF_KEYS * dim;
+    const float *ksc = j->ks + g * j->key_blocks * PF_KEYS * (dim / 32);
+    const int32_t *kco = j->kc + g * j->key_blocks * PF_KEYS * (dim / 32);
+#endif
     memset(o, 0, (size_t)(16 * dim) * sizeof(float));
     const __m512i posv = _mm512_loadu_si512(pos);
     const __m512 masked = _mm512_set1_ps(-1e30f);
     __m512 top = masked, sum = _mm512_setzero_ps();
-    const float *kf = j->kf + g * j->key_blocks * PF_KEYS * dim, *vf = j->vf + g * j->key_blocks * PF_KEYS * dim;
+#if !defined(PF_QK_INT8)
+    const float *kf = j->kf + g * j->key_blocks * PF_KEYS * dim;
+#endif
+    const float *vf = j->vf + g * j->key_blocks * PF_KEYS * dim;
     const int64_t blocks = max_pos / PF_KEYS + 1;
     for (int64_t kb = 0; kb < blocks; kb++) {
         const int64_t k0 = kb * PF_KEYS;
         const int64_t nk = k0 + 16 <= max_pos ? PF_KEYS : 16; /* the upper 16 keys: only if some row sees one */
         const int diagonal = k0 + PF_KEYS - 1 > min_pos;      /* keys past some row's position: masked for it */
+#if defined(PF_QK_INT8)
+        for (int64_t h16 = 0; h16 < nk; h16 += 16) {
+            const int64_t key = k0 + h16;
+            vnni_prompt_scores(qt8, qd, k8 + key * dim, ksc + key * (dim / 32), kco + key * (dim / 32), dim,
+                               s + 16 * h16);
+        }
+#else
         fma_prompt_scores(qt, kf + k0 * dim, dim, s);
         if (nk == PF_KEYS) fma_prompt_scores(qt, kf + (k0 + 16) * dim, dim, s + 256);
+#endif
         __m512 block_top = masked;
         for (int64_t k = 0; k < nk; k++) {
             const __mmask16 sees =
@@ -2014,11 +2133,22 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
     const int64_t row_tiles = (rows * (heads / kv_heads) + 15) / 16;
     static __thread scratch_buf widened_scratch; /* the caller's; its chunks write disjoint parts */
     const size_t per = (size_t)(kv_heads * key_blocks * PF_KEYS * dim);
+#if defined(PF_QK_INT8)
+    /* V float32, then K's codes, scales and offsets (per/32 groups) */
+    float *vf = (float *)scratch_grow(&widened_scratch, per * sizeof(float) + per + 2 * (per / 32) * 4);
+    if (vf == NULL) abort();
+    int8_t *k8 = (int8_t *)(vf + per);
+    float *ks = (float *)(k8 + per);
+    const fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
+                                block_size, ctx, key_blocks, row_tiles, NULL, vf, out,
+                                scale * 1.44269504088896341f, k8, ks, (int32_t *)(ks + per / 32)};
+#else
     float *kf = (float *)scratch_grow(&widened_scratch, 2 * per * sizeof(float));
     if (kf == NULL) abort();
     const fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
                                 block_size, ctx, key_blocks, row_tiles, kf, kf + per, out,
                                 scale * 1.44269504088896341f};
+#endif
     parallel_chunks(fma_prompt_widen_chunk, &job, kv_heads * ((key_blocks + 7) / 8));
     parallel_chunks(fma_prompt_tile_chunk, &job, kv_heads * ((row_tiles + PF_TILES_PER_CHUNK - 1) / PF_TILES_PER_CHUNK));
     return 1;
@@ -2183,6 +2313,21 @@ static void qa_chunk(const void *arg, int64_t chunk) {
 
 static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
 #endif
+
+/* How ts_paged_prompt_attention computes a prompt's scores: 0 it declines every prompt (the decode
+ * kernel runs them), 1 AMX bf16 tiles, 2 float32 FMAs, 3 int8 dot products (q and k rounded per
+ * group of 32, PF_QK_INT8). */
+int ts_prompt_scores(void) {
+#if defined(TS_AMX)
+    return 1;
+#elif defined(PF_QK_INT8)
+    return 3;
+#elif defined(TS_PROMPT_FMA)
+    return 2;
+#else
+    return 0;
+#endif
+}
 
 int ts_vnni(void) {
 #if defined(TS_VNNI)

@@ -47,8 +47,9 @@ FMA_PROMPT_KERNEL_MIN_ROWS = 1
 # attention on the AMX flash kernel (ts_paged_prompt_attention) where it runs; 4 = SiLU x up on
 # AVX-512 (e^x by polynomial, not expf: a rare last-bit difference after bf16 rounding); 5 = prompt
 # attention on the float32 FMA flash kernel where AVX-512 runs without AMX (was the decode kernel);
-# 6 = decode rows and the q8 head on int8 dot products where the CPU has VNNI but no bf16 arithmetic.
-FORWARD_REVISION = 6
+# 6 = decode rows and the q8 head on int8 dot products where the CPU has VNNI but no bf16 arithmetic;
+# 7 = the FMA prompt attention's scores on int8 dot products where the build has VNNI.
+FORWARD_REVISION = 7
 
 
 def attach(model: TransformerLM, kv_dtype: torch.dtype) -> bool:
