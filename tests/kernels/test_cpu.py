@@ -405,6 +405,18 @@ def _assert_causal_softmax(
     )
 
 
+def _assert_prompt_attention(
+    lib: ctypes.CDLL, chunk: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    start: int, heads: int, kv_heads: int, dim: int, bs: int = 16,
+) -> None:  # fmt: skip
+    """The kernel runs the chunk (q|k|v rows at start..) and meets _assert_causal_softmax, under the
+    scores' rule this build computes them by."""
+    got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, heads, kv_heads, dim, bs)
+    assert got is not None
+    q = chunk[:, : heads * dim].reshape(chunk.shape[0], heads, dim)
+    _assert_causal_softmax(got, q, k_cache, v_cache, table, start, bs, int8_scores=_int8_prompt_scores(lib))
+
+
 def _prompt_case(
     heads: int, kv_heads: int, dim: int, spans: list[tuple[int, int]], seed: int, bs: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -450,11 +462,8 @@ def test_paged_prompt_attention_equals_causal_softmax_over_the_cache(
     _prompt_kernel(lib, isa)
     spans = [(0, 1), (0, 37), (21, 50), (5, 100), (300, 17), (0, 16), (16, 33)]
     k_cache, v_cache, tables, qkv = _prompt_case(heads, kv_heads, dim, spans, seed=heads * dim)
-    for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
-        got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, heads, kv_heads, dim)
-        assert got is not None
-        q = chunk[:, : heads * dim].reshape(rows, heads, dim)
-        _assert_causal_softmax(got, q, k_cache, v_cache, table, start, int8_scores=_int8_prompt_scores(lib))
+    for (start, _), table, chunk in zip(spans, tables, qkv, strict=True):
+        _assert_prompt_attention(lib, chunk, k_cache, v_cache, table, start, heads, kv_heads, dim)
 
 
 def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) -> None:
@@ -463,19 +472,8 @@ def test_paged_prompt_attention_takes_larger_blocks(lib: ctypes.CDLL, isa: str) 
     spans = [(0, 45), (40, 70)]
     for bs in (32, 64):
         k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, spans, seed=bs, bs=bs)
-        for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
-            got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, 9, 3, 64, bs)
-            assert got is not None
-            _assert_causal_softmax(
-                got,
-                chunk[:, : 9 * 64].reshape(rows, 9, 64),
-                k_cache,
-                v_cache,
-                table,
-                start,
-                bs,
-                int8_scores=_int8_prompt_scores(lib),
-            )
+        for (start, _), table, chunk in zip(spans, tables, qkv, strict=True):
+            _assert_prompt_attention(lib, chunk, k_cache, v_cache, table, start, 9, 3, 64, bs)
 
 
 def test_paged_prompt_attention_declines_what_it_cannot_run(lib: ctypes.CDLL, isa: str) -> None:
@@ -498,19 +496,8 @@ def test_the_fma_prompt_kernel_takes_head_size_128_and_small_blocks(lib: ctypes.
     for dim, bs in ((128, 16), (64, 8), (128, 8)):
         spans = [(0, 40), (13, 70)]
         k_cache, v_cache, tables, qkv = _prompt_case(8, 2, dim, spans, seed=dim + bs, bs=bs)
-        for (start, rows), table, chunk in zip(spans, tables, qkv, strict=True):
-            got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, 8, 2, dim, bs)
-            assert got is not None
-            _assert_causal_softmax(
-                got,
-                chunk[:, : 8 * dim].reshape(rows, 8, dim),
-                k_cache,
-                v_cache,
-                table,
-                start,
-                bs,
-                int8_scores=_int8_prompt_scores(lib),
-            )
+        for (start, _), table, chunk in zip(spans, tables, qkv, strict=True):
+            _assert_prompt_attention(lib, chunk, k_cache, v_cache, table, start, 8, 2, dim, bs)
 
 
 def test_a_prompt_gives_the_same_bits_however_it_is_chunked(lib: ctypes.CDLL, isa: str) -> None:
