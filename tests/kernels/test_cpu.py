@@ -349,9 +349,10 @@ def _int8_groups(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (top / 127.0).float().double()).reshape(x.shape)
 
 
-def _int8_prompt_scores(lib: ctypes.CDLL) -> bool:
-    """True where the prompt kernel computes q.k on int8 dot products (ts_prompt_scores() == 3)."""
-    return int(lib.ts_prompt_scores()) == 3
+def _int8_prompt_scores(lib: ctypes.CDLL, dim: int) -> bool:
+    """True where the prompt kernel computes q.k on int8 dot products: ts_prompt_scores() == 3, for
+    head sizes in whole groups of 32 (others keep float32 scores)."""
+    return int(lib.ts_prompt_scores()) == 3 and dim % 32 == 0
 
 
 def test_the_prompt_scores_run_on_what_the_build_has(lib: ctypes.CDLL, isa: str) -> None:
@@ -414,7 +415,9 @@ def _assert_prompt_attention(
     got = _prompt_attention(lib, chunk, k_cache, v_cache, table, start, heads, kv_heads, dim, bs)
     assert got is not None
     q = chunk[:, : heads * dim].reshape(chunk.shape[0], heads, dim)
-    _assert_causal_softmax(got, q, k_cache, v_cache, table, start, bs, int8_scores=_int8_prompt_scores(lib))
+    _assert_causal_softmax(
+        got, q, k_cache, v_cache, table, start, bs, int8_scores=_int8_prompt_scores(lib, dim)
+    )
 
 
 def _prompt_case(
@@ -489,11 +492,12 @@ def test_paged_prompt_attention_declines_what_it_cannot_run(lib: ctypes.CDLL, is
 
 def test_the_fma_prompt_kernel_takes_head_size_128_and_small_blocks(lib: ctypes.CDLL, isa: str) -> None:
     """Without AMX the float32 kernel also takes head size 128 and blocks of 8 (it reads keys one by
-    one through the table): within bf16 of a float32 causal softmax."""
+    one through the table), and head sizes off whole groups of 32 (48, 80: float32 scores there,
+    where the others' run on int8): within bf16 of a float32 causal softmax."""
     _prompt_kernel(lib, isa)
     if isa == "amx":
         pytest.skip("the AMX kernel declines these shapes (tested above)")
-    for dim, bs in ((128, 16), (64, 8), (128, 8)):
+    for dim, bs in ((128, 16), (64, 8), (128, 8), (48, 16), (80, 8)):
         spans = [(0, 40), (13, 70)]
         k_cache, v_cache, tables, qkv = _prompt_case(8, 2, dim, spans, seed=dim + bs, bs=bs)
         for (start, _), table, chunk in zip(spans, tables, qkv, strict=True):

@@ -1877,6 +1877,7 @@ typedef struct {
     bf16 *out;
     float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
 #if defined(PF_QK_INT8)
+    int qk_int8; /* dim a multiple of 32: int8 scores (else float32, as without VNNI) */
     int8_t *k8;  /* [kv_heads][key_blocks * PF_KEYS][dim]: each key rounded to int8 per group of 32 */
     float *ks;   /* [kv_heads][key_blocks * PF_KEYS][dim / 32]: the groups' scales */
     int32_t *kc; /* the same: -128 x the group's code sum (the unsigned q codes' offset taken back) */
@@ -1921,19 +1922,22 @@ static void fma_prompt_widen_chunk(const void *arg, int64_t chunk) {
     const int64_t kb1 = kb0 + 8 < j->key_blocks ? kb0 + 8 : j->key_blocks;
     const int64_t dim = j->dim, kv_width = j->kv_heads * dim, bs = j->block_size;
     for (int64_t key = kb0 * PF_KEYS; key < kb1 * PF_KEYS; key++) {
-#if !defined(PF_QK_INT8)
-        float *kd = j->kf + (g * j->key_blocks * PF_KEYS + key) * dim;
+        const int64_t at = g * j->key_blocks * PF_KEYS + key;
+        float *vd = j->vf + at * dim;
+#if defined(PF_QK_INT8)
+        const int int8 = j->qk_int8;
+#else
+        const int int8 = 0;
 #endif
-        float *vd = j->vf + (g * j->key_blocks * PF_KEYS + key) * dim;
         if (key >= j->ctx) {
 #if defined(PF_QK_INT8)
-            const int64_t at = g * j->key_blocks * PF_KEYS + key;
-            memset(j->k8 + at * dim, 0, (size_t)dim);
-            memset(j->ks + at * (dim / 32), 0, (size_t)(dim / 32) * sizeof(float));
-            memset(j->kc + at * (dim / 32), 0, (size_t)(dim / 32) * sizeof(int32_t));
-#else
-            memset(kd, 0, (size_t)dim * sizeof(float));
+            if (int8) {
+                memset(j->k8 + at * dim, 0, (size_t)dim);
+                memset(j->ks + at * (dim / 32), 0, (size_t)(dim / 32) * sizeof(float));
+                memset(j->kc + at * (dim / 32), 0, (size_t)(dim / 32) * sizeof(int32_t));
+            }
 #endif
+            if (!int8) memset(j->kf + at * dim, 0, (size_t)dim * sizeof(float));
             memset(vd, 0, (size_t)dim * sizeof(float));
             continue;
         }
@@ -1941,11 +1945,10 @@ static void fma_prompt_widen_chunk(const void *arg, int64_t chunk) {
         const bf16 *kr = j->k_cache + slot * kv_width + g * dim, *vr = j->v_cache + slot * kv_width + g * dim;
         for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(vd + d, load16_bf16(vr + d));
 #if defined(PF_QK_INT8)
-        const int64_t at = g * j->key_blocks * PF_KEYS + key;
-        pf_round_keys(kr, dim, j->k8 + at * dim, j->ks + at * (dim / 32), j->kc + at * (dim / 32));
-#else
-        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(kd + d, load16_bf16(kr + d));
+        if (int8) pf_round_keys(kr, dim, j->k8 + at * dim, j->ks + at * (dim / 32), j->kc + at * (dim / 32));
 #endif
+        if (!int8)
+            for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(j->kf + at * dim + d, load16_bf16(kr + d));
     }
 }
 
@@ -2035,7 +2038,7 @@ static void fma_prompt_tile(const fma_prompt_job *j, int64_t g, int64_t t) {
     /* each row's q (scaled) rounded to int8 per group of 32, stored + 128 four dims a lane */
     uint8_t qt8[PF_MAX_DIM * 16] __attribute__((aligned(64)));
     float qd[PF_MAX_DIM / 32 * 16] __attribute__((aligned(64)));
-    for (int64_t m = 0; m < 16; m++) {
+    for (int64_t m = 0; m < 16 && j->qk_int8; m++) {
         float col[PF_MAX_DIM] __attribute__((aligned(64)));
         int32_t codes[PF_MAX_DIM] __attribute__((aligned(64)));
         for (int64_t d = 0; d < dim; d++) col[d] = qt[16 * d + m];
@@ -2044,33 +2047,32 @@ static void fma_prompt_tile(const fma_prompt_job *j, int64_t g, int64_t t) {
                            qd + 16 * g + m);
         for (int64_t d = 0; d < dim; d++) qt8[64 * (d / 4) + 4 * m + d % 4] = (uint8_t)(codes[d] + 128);
     }
-    const int8_t *k8 = j->k8 + g * j->key_blocks * PF_KEYS * dim;
-    const float *ksc = j->ks + g * j->key_blocks * PF_KEYS * (dim / 32);
-    const int32_t *kco = j->kc + g * j->key_blocks * PF_KEYS * (dim / 32);
+    const int64_t head_keys = g * j->key_blocks * PF_KEYS;
 #endif
     memset(o, 0, (size_t)(16 * dim) * sizeof(float));
     const __m512i posv = _mm512_loadu_si512(pos);
     const __m512 masked = _mm512_set1_ps(-1e30f);
     __m512 top = masked, sum = _mm512_setzero_ps();
-#if !defined(PF_QK_INT8)
-    const float *kf = j->kf + g * j->key_blocks * PF_KEYS * dim;
-#endif
-    const float *vf = j->vf + g * j->key_blocks * PF_KEYS * dim;
+    const float *kf = j->kf, *vf = j->vf + g * j->key_blocks * PF_KEYS * dim;
+    if (kf != NULL) kf += g * j->key_blocks * PF_KEYS * dim; /* float32 keys: no int8 scores here */
     const int64_t blocks = max_pos / PF_KEYS + 1;
     for (int64_t kb = 0; kb < blocks; kb++) {
         const int64_t k0 = kb * PF_KEYS;
         const int64_t nk = k0 + 16 <= max_pos ? PF_KEYS : 16; /* the upper 16 keys: only if some row sees one */
         const int diagonal = k0 + PF_KEYS - 1 > min_pos;      /* keys past some row's position: masked for it */
 #if defined(PF_QK_INT8)
-        for (int64_t h16 = 0; h16 < nk; h16 += 16) {
-            const int64_t key = k0 + h16;
-            vnni_prompt_scores(qt8, qd, k8 + key * dim, ksc + key * (dim / 32), kco + key * (dim / 32), dim,
-                               s + 16 * h16);
-        }
-#else
-        fma_prompt_scores(qt, kf + k0 * dim, dim, s);
-        if (nk == PF_KEYS) fma_prompt_scores(qt, kf + (k0 + 16) * dim, dim, s + 256);
+        if (j->qk_int8)
+            for (int64_t h16 = 0; h16 < nk; h16 += 16) {
+                const int64_t key = head_keys + k0 + h16;
+                vnni_prompt_scores(qt8, qd, j->k8 + key * dim, j->ks + key * (dim / 32), j->kc + key * (dim / 32),
+                                   dim, s + 16 * h16);
+            }
+        else
 #endif
+        {
+            fma_prompt_scores(qt, kf + k0 * dim, dim, s);
+            if (nk == PF_KEYS) fma_prompt_scores(qt, kf + (k0 + 16) * dim, dim, s + 256);
+        }
         __m512 block_top = masked;
         for (int64_t k = 0; k < nk; k++) {
             const __mmask16 sees =
@@ -2134,20 +2136,22 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
     static __thread scratch_buf widened_scratch; /* the caller's; its chunks write disjoint parts */
     const size_t per = (size_t)(kv_heads * key_blocks * PF_KEYS * dim);
 #if defined(PF_QK_INT8)
-    /* V float32, then K's codes, scales and offsets (per/32 groups) */
-    float *vf = (float *)scratch_grow(&widened_scratch, per * sizeof(float) + per + 2 * (per / 32) * 4);
-    if (vf == NULL) abort();
-    int8_t *k8 = (int8_t *)(vf + per);
-    float *ks = (float *)(k8 + per);
-    const fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
-                                block_size, ctx, key_blocks, row_tiles, NULL, vf, out,
-                                scale * 1.44269504088896341f, k8, ks, (int32_t *)(ks + per / 32)};
+    const int int8 = dim % 32 == 0; /* a head size off whole groups of 32 keeps float32 scores */
 #else
-    float *kf = (float *)scratch_grow(&widened_scratch, 2 * per * sizeof(float));
-    if (kf == NULL) abort();
-    const fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
-                                block_size, ctx, key_blocks, row_tiles, kf, kf + per, out,
-                                scale * 1.44269504088896341f};
+    const int int8 = 0;
+#endif
+    /* V float32, then K: float32, or its codes, scales and offsets (per / 32 groups) */
+    const size_t k_bytes = int8 ? per + 2 * (per / 32) * 4 : per * sizeof(float);
+    float *vf = (float *)scratch_grow(&widened_scratch, per * sizeof(float) + k_bytes);
+    if (vf == NULL) abort();
+    fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
+                          block_size, ctx, key_blocks, row_tiles, int8 ? NULL : vf + per, vf, out,
+                          scale * 1.44269504088896341f};
+#if defined(PF_QK_INT8)
+    job.qk_int8 = int8;
+    job.k8 = int8 ? (int8_t *)(vf + per) : NULL;
+    job.ks = int8 ? (float *)(job.k8 + per) : NULL;
+    job.kc = int8 ? (int32_t *)(job.ks + per / 32) : NULL;
 #endif
     parallel_chunks(fma_prompt_widen_chunk, &job, kv_heads * ((key_blocks + 7) / 8));
     parallel_chunks(fma_prompt_tile_chunk, &job, kv_heads * ((row_tiles + PF_TILES_PER_CHUNK - 1) / PF_TILES_PER_CHUNK));
@@ -2316,7 +2320,7 @@ static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations
 
 /* How ts_paged_prompt_attention computes a prompt's scores: 0 it declines every prompt (the decode
  * kernel runs them), 1 AMX bf16 tiles, 2 float32 FMAs, 3 int8 dot products (q and k rounded per
- * group of 32, PF_QK_INT8). */
+ * group of 32, PF_QK_INT8) for head sizes that are multiples of 32, float32 FMAs for the others. */
 int ts_prompt_scores(void) {
 #if defined(TS_AMX)
     return 1;
