@@ -1876,8 +1876,8 @@ typedef struct {
     float *kf, *vf; /* [kv_heads][key_blocks * PF_KEYS][dim], float32, zeros past ctx */
     bf16 *out;
     float scale_log2; /* softmax scale times log2(e): scores in the base-2 domain */
+    int qk_int8;      /* int8 scores: a VNNI build and dim a multiple of 32 (else float32 keys in kf) */
 #if defined(PF_QK_INT8)
-    int qk_int8; /* dim a multiple of 32: int8 scores (else float32, as without VNNI) */
     int8_t *k8;  /* [kv_heads][key_blocks * PF_KEYS][dim]: each key rounded to int8 per group of 32 */
     float *ks;   /* [kv_heads][key_blocks * PF_KEYS][dim / 32]: the groups' scales */
     int32_t *kc; /* the same: -128 x the group's code sum (the unsigned q codes' offset taken back) */
@@ -1924,11 +1924,7 @@ static void fma_prompt_widen_chunk(const void *arg, int64_t chunk) {
     for (int64_t key = kb0 * PF_KEYS; key < kb1 * PF_KEYS; key++) {
         const int64_t at = g * j->key_blocks * PF_KEYS + key;
         float *vd = j->vf + at * dim;
-#if defined(PF_QK_INT8)
         const int int8 = j->qk_int8;
-#else
-        const int int8 = 0;
-#endif
         if (key >= j->ctx) {
 #if defined(PF_QK_INT8)
             if (int8) {
@@ -2146,9 +2142,8 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
     if (vf == NULL) abort();
     fma_prompt_job job = {q, k_cache, v_cache, block_table, q_stride, rows, start_pos, heads, kv_heads, dim,
                           block_size, ctx, key_blocks, row_tiles, int8 ? NULL : vf + per, vf, out,
-                          scale * 1.44269504088896341f};
+                          scale * 1.44269504088896341f, int8};
 #if defined(PF_QK_INT8)
-    job.qk_int8 = int8;
     job.k8 = int8 ? (int8_t *)(vf + per) : NULL;
     job.ks = int8 ? (float *)(job.k8 + per) : NULL;
     job.kc = int8 ? (int32_t *)(job.ks + per / 32) : NULL;
