@@ -18,7 +18,10 @@ from tailserve.engine.policy import (
     prefill_item,
 )
 from tailserve.engine.request import Request, RequestTimings, SamplingParams, SloTarget
-from tailserve.engine.stats import StepTimer
+from tailserve.engine.block_manager import KVCacheManager
+from tailserve.engine.scheduler import Scheduler
+from tailserve.engine.stats import DecodeTimer, StepTimer
+from tailserve.engine.tpot_model import Stream
 from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, QueueSnapshot, WaitModel, tokens_ahead
 
 NOW = 1000.0
@@ -117,3 +120,49 @@ def test_the_lane_s_idle_gap_before_each_chunk_is_part_of_a_prompt_s_price() -> 
     assert model.estimate_s(1000, busy, NOW) == pytest.approx(1000 * 0.0004 + 4 * 0.020)  # 4 chunks
     idle = QueueSnapshot(pending=[], num_running=0, prefill_cap=256, idle_step_tokens=2048, lane=True)
     assert model.estimate_s(1000, idle, NOW) == pytest.approx(0.010)  # one step on all threads: no lane gap
+
+
+def test_a_stream_s_tpot_price_counts_the_prompt_work_still_to_arrive_as_recent_work_did() -> None:
+    """Steps outside the known prompts' runs are priced at the blend of the decode step alone and
+    beside the lane that the recent arrivals' prompt work makes (served, a stream's TPOT ran 1.25x
+    its price with one later arrival in its life and 1.7-1.9x with five; 0.95x with none). A
+    newcomer alone on the engine: 10 ms a step with no arrivals, 14 ms where recent prompts kept the
+    lane busy half the time (the mean rate of steps half the time at 10 ms and half at 18: 12.9 ms), 18
+    ms (the step beside the lane) where they kept it busy all the time."""
+    steps, lane = StepTimer(budget_tokens=256), StepTimer(budget_tokens=512)
+    steps.record(_Plan(8, 0), 0.010)
+    lane.record(_Plan(256, 256), 256 * 0.001)  # 0.256 s for a 256-token prompt on the lane
+    decode = DecodeTimer()
+    decode.record(1, 0, 0.010, beside_lane=False)
+    decode.record(1, 0, 0.018, beside_lane=True)
+    policy = SloPolicy(SchedulerConfig(slo_ttft_s=2.0), steps, block_size=16)
+    model = WaitModel(policy, steps, 2.0, lane, decode)
+    own = Stream(0.030, 31, 256)
+
+    def own_tpot(recent: tuple[int, ...]) -> float:
+        snapshot = QueueSnapshot(
+            pending=[], num_running=1, prefill_cap=512, lane=True, recent_prompts=recent, recent_window_s=30.0
+        )
+        price = model.tpot_price(256, own, snapshot, NOW)
+        assert price is not None
+        return price.own_s
+
+    assert own_tpot(()) == pytest.approx(0.010, rel=0.01)
+    # 59 prompts of 256 tokens in 30 s: 15.1 s of lane work, half the time.
+    half = 59 * 0.256 / 30
+    assert own_tpot((256,) * 59) == pytest.approx(1 / ((1 - half) / 0.010 + half / 0.018), rel=0.01)
+    assert own_tpot((256,) * 200) == pytest.approx(0.018, rel=0.01)  # the lane busy all the time, no more
+    assert own_tpot((0,) * 200) == pytest.approx(0.010, rel=0.01)  # cached prompts: no work
+
+
+def test_the_scheduler_reports_the_prompt_work_admitted_in_the_last_window() -> None:
+    """What a newcomer's TPOT price reads: the prompt tokens to compute of the requests added in the
+    last ARRIVALS_WINDOW_S seconds, by their arrival."""
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    scheduler = Scheduler(SchedulerConfig(), kv)
+    window = Scheduler.ARRIVALS_WINDOW_S
+    for k, tokens in enumerate((100, 200, 300)):
+        scheduler.add(_request(f"r{k}", tokens, age_s=window + 5 - 10 * k, seq_no=k))
+    snapshot = scheduler.queue_snapshot(NOW)
+    assert snapshot.recent_window_s == window
+    assert snapshot.recent_prompts == (200, 300)  # the first arrived more than a window ago

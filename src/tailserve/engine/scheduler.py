@@ -72,6 +72,8 @@ class StepPlan:
 class Scheduler:
     """Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute."""
 
+    ARRIVALS_WINDOW_S = 30.0  # the recent admitted prompts a newcomer's TPOT price reads a rate from
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, timer: StepTimer | None = None) -> None:
         self.config = config
         self.kv = kv
@@ -101,6 +103,9 @@ class Scheduler:
         # Whether prompt chunks go on the lane now (it exists and a stream decodes), as of the last
         # plan: what the prefill order prices a prompt with (`_prompt_timer`).
         self._prompts_on_lane = False
+        # (arrival, prompt tokens to compute) of the requests added in the last ARRIVALS_WINDOW_S:
+        # the prompt work that keeps arriving while a newcomer would decode (its TPOT price).
+        self._arrivals: deque[tuple[float, int]] = deque()
 
     def add(self, request: Request) -> None:
         # A request scoring its prompt computes it all (see _admit): it expects no hit.
@@ -108,6 +113,8 @@ class Scheduler:
             salt = request.params.cache_salt
             request.expected_cached_tokens = self.kv.cached_prefix_tokens(request.token_ids, salt)
         self.waiting.append(request)
+        work = len(request.prompt_token_ids) - request.expected_cached_tokens
+        self._arrivals.append((request.timings.arrival, max(work, 0)))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading tokens of a prompt the prefix cache holds now under its salt (read-only; any thread)."""
@@ -390,7 +397,16 @@ class Scheduler:
             lane=self.lane,
             streams=tuple(self._stream(r) for r in decoding),
             pending_streams=tuple(self._stream(r) for r in prefilling),
+            recent_prompts=self._recent_prompts(now),
+            recent_window_s=self.ARRIVALS_WINDOW_S,
         )
+
+    def _recent_prompts(self, now: float) -> tuple[int, ...]:
+        """Prompt tokens to compute of the requests added in the last ARRIVALS_WINDOW_S."""
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] < now - self.ARRIVALS_WINDOW_S:
+            arrivals.popleft()
+        return tuple(tokens for _, tokens in arrivals)
 
     def _stream(self, req: Request) -> Stream:
         """A running or queued request as the TPOT price sees it."""

@@ -4,10 +4,11 @@ without it, for admission control (issue 40: admission that keeps its TPOT promi
 A stream's TPOT is its output's length in time over its gaps. What stretches the gaps still to come
 is the decode step: it grows with the rows and the context they attend, and while prompt work runs
 (on the prefill lane, which takes half the threads; or in the steps themselves, without a lane) it
-is slower. So the price plays the future forward, event by event, with no arrival after the
-newcomer: the prompts run in the planner's order, each turning into a stream when its prefill ends;
-every step costs what `DecodeTimer` says for the rows and context of that moment; streams end after
-their expected gaps. It only reads a `QueueSnapshot`.
+is slower. So the price plays the future forward, event by event: the known prompts run in the
+planner's order, each turning into a stream when its prefill ends; every step costs what the
+caller's `StepPrice` says for the rows and context of that moment (`WaitModel.tpot_price`: the
+`DecodeTimer`'s, with the prompts still to arrive as a rate outside the known prompts' runs);
+streams end after their expected gaps. It only reads a `QueueSnapshot`.
 
 Where letting the newcomer's prompt start at once would push a stream over its target, the price
 looks for a hold: the newcomer waits in the queue until a stream ends, if its first token can still

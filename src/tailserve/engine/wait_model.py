@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -60,6 +61,10 @@ class QueueSnapshot:
     # `pending` turns into once its prompt is done (a pending item without one gets `default_stream`).
     streams: tuple[Stream, ...] = ()
     pending_streams: tuple[Stream, ...] = ()
+    # Prompt tokens to compute of the requests admitted in the last `recent_window_s` seconds: the
+    # prompt work that keeps arriving while the streams decode (WaitModel.arrivals_share).
+    recent_prompts: tuple[int, ...] = ()
+    recent_window_s: float = 0.0
 
 
 def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
@@ -230,14 +235,51 @@ class WaitModel:
         prompts = [(prefill_s(pending[i]), streams[i] if i < len(streams) else own) for i in order]
         mine = rules.rank(newcomer, now)
         place = sum(1 for r in ranks if r < mine)
-        _, per_token = self.timer.coefficients()
+        step_fixed, per_token = self.timer.coefficients()
         lane, cap = snapshot.lane, snapshot.prefill_cap
 
-        def step_s(rows: int, context: int, busy: bool) -> float:
+        # Prompts admitted after the newcomer keep its future steps beside prompt work for a share
+        # of the time, as recent ones did: steps outside the known prompts' runs are priced at the
+        # rate the decodes keep at that share. Without it, a stream's TPOT ran 1.25x its price with
+        # one arrival during its life, 1.5x with two, 1.7-1.9x with five (no-bf16 CPU, 256 in / 32
+        # out at 1-3 req/s; with none, 0.95x: docs/notes/tail-under-slo.md, "Arrivals in the TPOT
+        # price").
+        def work_s(item: PrefillItem) -> float:
+            """A prompt's own compute: on the lane, its chunks' time; in the steps, beyond their
+            decode rows."""
+            if lane:
+                return prefill_s(item)
+            steps = math.ceil(item.tokens / max(cap, 1))
+            return max(prefill_s(item) - steps * step_fixed, 0.0)
+
+        share = self.arrivals_share(snapshot, work_s)
+
+        def known_s(rows: int, context: int, busy: bool) -> float:
             if lane:
                 return decode.estimate_s(rows, context, busy) or 0.0
             # No lane: prompt chunks share the steps, up to the prefill cap each.
             return (decode.estimate_s(rows, context, False) or 0.0) + (per_token * cap if busy else 0.0)
 
+        def step_s(rows: int, context: int, busy: bool) -> float:
+            if busy or share == 0.0:
+                return known_s(rows, context, busy)
+            idle, beside = known_s(rows, context, False), known_s(rows, context, True)
+            if share >= 1.0 or idle <= 0.0:
+                return beside
+            if lane:  # beside the lane a share of the time: steps at the mean rate of the two
+                return 1.0 / ((1.0 - share) / idle + share / beside)
+            return min(idle / (1.0 - share), beside)  # the prompts' compute takes a share of each step
+
         budget = target * self.HOLD_TTFT_SHARE if self.admission_hold else None
         return price(snapshot.streams, prompts, (place, prefill_s(newcomer), own), now, step_s, budget)
+
+    @staticmethod
+    def arrivals_share(snapshot: QueueSnapshot, work_s: Callable[[PrefillItem], float]) -> float:
+        """The share of time prompt work is expected to run from arrivals still to come: the recent
+        admitted prompts' own compute (`work_s`) over the window they arrived in, at most 1 (0
+        with no window)."""
+        if snapshot.recent_window_s <= 0 or not snapshot.recent_prompts:
+            return 0.0
+        by_length = Counter(t for t in snapshot.recent_prompts if t > 0)  # priced once a length
+        seconds = sum(n * work_s(PrefillItem(t, 0.0, 1.0, NEWCOMER_SEQ_NO)) for t, n in by_length.items())
+        return min(seconds / snapshot.recent_window_s, 1.0)
