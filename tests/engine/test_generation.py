@@ -252,8 +252,9 @@ def test_prefill_lane_same_tokens(
         _collect(outs, engine.step())
     assert lane_steps >= len(prompts) - 1  # every prompt after the first met a decoding stream
     assert [outs[f"r{i}"] for i in range(len(prompts))] == reference
-    # The lane's chunks are timed apart from the steps (half the threads), and counted once.
-    assert engine.scheduler.lane_timer.steps == len(chunks) >= 1
+    # The lane's chunks are timed apart from the steps (half the threads), each prompt of a chunk
+    # apart (it runs them one by one), and counted once.
+    assert engine.scheduler.lane_timer.steps == sum(len(plan.scheduled) for plan in chunks) >= 1
     # A lane chunk holds at most --lane-chunk-tokens (24), not the step budget (32). Whether one is
     # full depends on how much of its prompt ordinary steps took first, which is timing: with the
     # faster decode rows of the no-bf16 kind the largest was 17 in one fresh-clone CI run of three.
@@ -276,10 +277,10 @@ def test_abort_of_a_prompt_on_the_prefill_lane(
     engine.add_request("b", prompts[1], params)
     engine.add_request("c", prompts[2], params)
     _collect(outs, engine.step())
-    assert engine.scheduler.in_flight == {"b", "c"}  # one lane chunk for both prompts
+    assert engine.scheduler.in_flight == {"b", "c"}  # one lane plan for both prompts, run one by one
     out = engine.abort("b")
     assert out is not None and out.finished and out.finish_reason == "abort"
-    assert not engine.scheduler.in_flight and engine.has_unfinished()
+    assert "b" not in engine.scheduler.in_flight and engine.has_unfinished()
     while engine.has_unfinished():
         _collect(outs, engine.step())
     assert outs["a"] == reference[0] and outs["c"] == reference[2]
@@ -309,6 +310,40 @@ def test_a_lane_chunk_s_first_token_does_not_wait_for_another_decode_step(
     while engine.has_unfinished():
         _collect(outs, engine.step())
     assert runs and outs["b"]  # the steps go on after it
+    _assert_pool_free(llm)
+
+
+def test_a_lane_plan_s_prompts_run_one_by_one_each_first_token_out_when_its_own_ends(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    """Two prompts handed to the lane in one plan run as two forwards, back to back: the first one's
+    token goes out when its own forward ends, not when the pair's would (a pair's first prompt waited
+    for the second's rows), and every token is still transformers'."""
+    llm, outs, params = _lane_llm_decoding(smol, engine_config, prompts[0])
+    engine = llm.engine
+    lane = engine.lane
+    assert lane is not None
+    forwards: list[list[int]] = []  # each forward on the lane: its chunks' tokens
+    run = lane._run
+    lane._run = lambda chunks: forwards.append([len(c.token_ids) for c in chunks]) or run(chunks)  # type: ignore[method-assign]
+    engine.add_request("b", prompts[1], params)
+    engine.add_request("c", prompts[2], params)
+    _collect(outs, engine.step())
+    assert engine.scheduler.in_flight == {"b", "c"}  # one plan for both
+    while not lane.done():
+        _collect(outs, engine.step())
+    first = engine.step()
+    assert [o.request_id for o in first] == ["b"]  # c's forward still to end, or to be taken next
+    assert engine.scheduler.in_flight == {"c"} and "c" not in outs
+    _collect(outs, first)
+    while engine.has_unfinished():
+        _collect(outs, engine.step())
+    assert len(forwards) == 2 and all(len(f) == 1 for f in forwards)  # a forward a prompt
+    assert [outs["a"], outs["b"], outs["c"]] == reference[:3]
+    assert engine.scheduler.lane_timer.steps == 2  # each prompt timed on its own
     _assert_pool_free(llm)
 
 

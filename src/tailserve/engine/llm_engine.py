@@ -151,7 +151,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks; None if it is unknown or done."""
-        if request_id in self.scheduler.in_flight:  # its KV blocks are being written: let the chunk end
+        while request_id in self.scheduler.in_flight:  # its KV blocks are being written: let its part end
             self._lane_outputs += self._take_lane()
         req = self._requests.pop(request_id, None)
         if req is None:
@@ -237,12 +237,15 @@ class LLMEngine:
             self.scheduler.decode_timer.record(rows, context, now - began, beside_lane)
 
     def _take_lane(self) -> list[RequestOutput]:
-        """The prefill lane's chunk, waited for: its tokens computed and its first tokens out."""
+        """The prefill lane's next part of its plan, waited for: its tokens computed and its first
+        token out."""
         assert self.lane is not None
         try:
             run: LaneRun = self.lane.take()
-        finally:  # one chunk at a time: its requests are all in flight (an error ends them all the same)
+        except BaseException:  # a failed part: its plan's requests end with the error all the same
             self.scheduler.in_flight.clear()
+            raise
+        self.scheduler.in_flight.difference_update(r.request_id for r, _ in run.plan.scheduled)
         # Its tokens go out now, not when the chunk ended: what a client sees.
         seconds, now = run.end - run.start, time.monotonic()
         outputs = self._after_step(run.plan, run.chunks, run.result, seconds, now, self.scheduler.lane_timer)
