@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from tailserve.config import SchedulerConfig
+from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.policy import (
     FcfsPolicy,
     PrefillItem,
@@ -18,7 +19,6 @@ from tailserve.engine.policy import (
     prefill_item,
 )
 from tailserve.engine.request import Request, RequestTimings, SamplingParams, SloTarget
-from tailserve.engine.block_manager import KVCacheManager
 from tailserve.engine.scheduler import Scheduler
 from tailserve.engine.stats import DecodeTimer, StepTimer
 from tailserve.engine.tpot_model import Stream
