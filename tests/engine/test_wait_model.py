@@ -123,12 +123,12 @@ def test_the_lane_s_idle_gap_before_each_chunk_is_part_of_a_prompt_s_price() -> 
 
 
 def test_a_stream_s_tpot_price_counts_the_prompt_work_still_to_arrive_as_recent_work_did() -> None:
-    """Steps outside the known prompts' runs are priced at the blend of the decode step alone and
-    beside the lane that the recent arrivals' prompt work makes (served, a stream's TPOT ran 1.25x
-    its price with one later arrival in its life and 1.7-1.9x with five; 0.95x with none). A
-    newcomer alone on the engine: 10 ms a step with no arrivals, 14 ms where recent prompts kept the
-    lane busy half the time (the mean rate of steps half the time at 10 ms and half at 18: 12.9 ms), 18
-    ms (the step beside the lane) where they kept it busy all the time."""
+    """Steps outside the known prompts' runs are priced at the decodes' mean rate at the share of
+    time the recent arrivals' prompt work keeps the lane busy (served, a stream's TPOT ran 1.25x its
+    price with one later arrival in its life and 1.7-1.9x with five; 0.95x with none). A newcomer
+    alone on the engine: 10 ms a step with no arrivals; 12.9 ms where recent prompts kept the lane
+    busy half the time (half the time at 10 ms a step and half at 18); 18 ms, the step beside the
+    lane, where they kept it busy all the time."""
     steps, lane = StepTimer(budget_tokens=256), StepTimer(budget_tokens=512)
     steps.record(_Plan(8, 0), 0.010)
     lane.record(_Plan(256, 256), 256 * 0.001)  # 0.256 s for a 256-token prompt on the lane
