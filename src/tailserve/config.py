@@ -172,6 +172,10 @@ class SchedulerConfig:
     # room covers what the chunk slows it by (else the decodes take all threads that step), unless
     # the first prompt's TTFT deadline needs it now (Scheduler._lane_waits).
     pace_lane: bool = True
+    # With a prefill lane: where the first prompt's TTFT deadline passes if it runs on the lane and not
+    # if it runs on all threads, its chunk goes in the decodes' step on all threads, as long as every
+    # decoding stream's TPOT target has room for that long step (Scheduler._all_threads_saves).
+    late_prompts_all_threads: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1")

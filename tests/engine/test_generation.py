@@ -185,8 +185,9 @@ def test_each_engine_steps_on_its_own_thread_count() -> None:
 
 def _lane_llm(smol: LoadedModel, engine_config: Callable[..., EngineConfig], **scheduler: object) -> LLM:
     """An engine on 2 threads, so prompts that arrive while others decode go to the prefill lane (a
-    thread each)."""
-    config = engine_config(**scheduler)
+    thread each). Late prompts stay on the lane (their move to all threads depends on wall-clock step
+    times; it has tests of its own)."""
+    config = engine_config(**{"late_prompts_all_threads": False, **scheduler})
     llm = LLM(
         config=dataclasses.replace(config, model=dataclasses.replace(config.model, num_threads=2)),
         loaded=smol,
@@ -284,6 +285,35 @@ def test_abort_of_a_prompt_on_the_prefill_lane(
     while engine.has_unfinished():
         _collect(outs, engine.step())
     assert outs["a"] == reference[0] and outs["c"] == reference[2]
+    _assert_pool_free(llm)
+
+
+def test_a_late_prompt_runs_on_all_threads_in_the_decodes_step(
+    smol: LoadedModel,
+    engine_config: Callable[..., EngineConfig],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+) -> None:
+    """Where the scheduler moves a late prompt off the lane (its TTFT deadline passes there and not on
+    all threads: tests/engine/test_lane_pacing.py), its chunk runs in the decodes' own step on all
+    threads, nothing goes to the lane, and every token is still transformers'."""
+    llm, outs, params = _lane_llm_decoding(smol, engine_config, prompts[0])
+    engine = llm.engine
+    lane = engine.lane
+    assert lane is not None
+    engine.scheduler._all_threads_saves = lambda first, decodes, now: True  # type: ignore[method-assign]
+    engine.add_request("b", prompts[1], params)
+    step = engine.step()
+    assert not lane.busy and not engine.scheduler.in_flight
+    plan = engine.last_plan
+    assert plan is not None and plan.all_threads and plan.num_decodes == 1
+    assert [r.request_id for r, _ in plan.scheduled] == ["a", "b"]  # its whole prompt (less the cached)
+    assert {o.request_id for o in step} == {"a", "b"}  # the stream's token and the prompt's first
+    _collect(outs, step)
+    while engine.has_unfinished():
+        _collect(outs, engine.step())
+    assert outs["a"] == reference[0] and outs["b"] == reference[1]
+    assert engine.scheduler.lane_timer.steps == 0
     _assert_pool_free(llm)
 
 

@@ -27,12 +27,15 @@ class _Plan:
     num_prefill_tokens: int
 
 
-def _scheduler(pace: bool = True, budget: int = 2048, lane_chunk: int | None = None) -> Scheduler:
+def _scheduler(
+    pace: bool = True, budget: int = 2048, lane_chunk: int | None = None, all_threads: bool = True
+) -> Scheduler:
     """A lane chunk of `lane_chunk` tokens (default: `budget`, the step budget)."""
     config = SchedulerConfig(
         slo_ttft_s=2.0,
         slo_tpot_s=TPOT_S,
         pace_lane=pace,
+        late_prompts_all_threads=all_threads,
         max_num_batched_tokens=budget,
         lane_chunk_tokens=lane_chunk or budget,
     )
@@ -153,3 +156,38 @@ def test_a_lane_chunk_has_a_budget_of_its_own() -> None:
     _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)
     _prompt(scheduler, arrival=NOW)
     assert scheduler.step_plan(NOW).num_prefill_tokens <= 255
+
+
+def _late_prompt_plan(
+    arrival: float, gap_s: float = 0.020, gaps_left: int = 50, all_threads: bool = True
+) -> tuple[bool, int]:
+    """(whether the step at NOW runs its prompt chunk on all threads, its prompt tokens) for a
+    1,000-token prompt that arrived at `arrival` (2 s target), beside one stream of 99 gaps at
+    `gap_s` and `gaps_left` to go. The steps on all threads take 256 prompt tokens in 70 ms, the
+    lane 135 ms: the whole prompt 0.27 s there, 0.53 s on the lane."""
+    scheduler = _scheduler(budget=1024, lane_chunk=512, all_threads=all_threads)
+    scheduler.timer.record(_Plan(0, 0), 0.0)
+    scheduler.timer.record(_Plan(256, 256), 0.070)
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * gap_s, gaps_left=gaps_left)
+    _prompt(scheduler, arrival=arrival)
+    plan = scheduler.step_plan(NOW, lane=True)
+    return plan.all_threads, plan.num_prefill_tokens
+
+
+def test_a_prompt_late_on_the_lane_and_not_on_all_threads_runs_on_all_threads() -> None:
+    # 0.4 s to its deadline: 0.53 s on the lane misses it, 0.27 s on all threads does not.
+    assert _late_prompt_plan(arrival=NOW - 1.6) == (True, 512)
+    # 1 s to go: the lane makes it, and it goes there.
+    assert _late_prompt_plan(arrival=NOW - 1.0) == (False, 512)
+    # 0.2 s to go: past saving on all threads too; the lane keeps it and the stream its steps.
+    assert _late_prompt_plan(arrival=NOW - 1.8) == (False, 512)
+    # --no-late-prompts-all-threads: the lane, whatever the deadline.
+    assert _late_prompt_plan(arrival=NOW - 1.6, all_threads=False) == (False, 512)
+
+
+def test_a_late_prompt_keeps_the_lane_where_a_stream_has_no_room_for_the_long_step() -> None:
+    # The all-threads step of a 512-token chunk takes 0.14 s: 0.13 s more than a decode step (10 ms).
+    # 99 gaps at 29.5 ms and 5 to go, priced at the step beside the lane (20 ms): room
+    # 30 ms x 104 - 2.92 - 0.1 = 98.5 ms, too little. With 20 to go: 30 x 119 - 2.92 - 0.4 = 0.25 s.
+    assert _late_prompt_plan(arrival=NOW - 1.6, gap_s=0.0295, gaps_left=5) == (False, 512)
+    assert _late_prompt_plan(arrival=NOW - 1.6, gap_s=0.0295, gaps_left=20) == (True, 512)

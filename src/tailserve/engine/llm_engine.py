@@ -200,7 +200,12 @@ class LLMEngine:
         lane_free = lane is not None and not lane_busy and any(r.is_decoding for r in self.scheduler.running)
         plan = self.scheduler.step_plan(begin, prefill=not lane_busy, lane=lane_free)
         threads = None
-        if lane is not None and lane_free and 0 < plan.num_decodes < len(plan.scheduled):
+        if (
+            lane is not None
+            and lane_free
+            and 0 < plan.num_decodes < len(plan.scheduled)
+            and not plan.all_threads
+        ):
             plan, prompts = plan.split()
             self.scheduler.in_flight.update(r.request_id for r, _ in prompts.scheduled)
             if lane_ended is not None:  # the next chunk at the first plan after: the lane's idle gap

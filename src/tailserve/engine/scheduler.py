@@ -47,6 +47,9 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     num_decodes: int = 0
     prefill_cap: int = 0
+    # The prompt chunks run in the decodes' step on all threads, not on the prefill lane: the first
+    # prompt's TTFT deadline passes on the lane and not there (Scheduler._all_threads_saves).
+    all_threads: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -154,8 +157,14 @@ class Scheduler:
         candidates += [r for r in self.waiting if r.not_before <= now]  # a held prompt waits its turn
         order = order_prefills(self.policy, candidates, now, self.config.slo_ttft_s)
         first = next(iter([*order.savable, *order.past_saving]), None)
-        if lane and first is not None and self._lane_waits(first, [r for r, _ in plan.scheduled], now):
-            left = 0  # the decodes take all threads this step; the lane goes once they have room
+        if lane and first is not None:
+            decodes = [r for r, _ in plan.scheduled]
+            if self._lane_waits(first, decodes, now):
+                left = 0  # the decodes take all threads this step; the lane goes once they have room
+            elif self._all_threads_saves(first, decodes, now):
+                plan.all_threads = True
+                step_cap = max(self.config.max_num_batched_tokens, self.idle_budget) - plan.num_decodes
+                left = min(left, max(step_cap, 0))
         if first is not None and self._idle_step_longer(plan.num_decodes):
             # No stream to protect: the first prompt in order may go in one longer step, up to
             # idle_budget. Only the first: a queue of prompts still goes a budget at a time, so a
@@ -347,10 +356,7 @@ class Scheduler:
         _, per_token = timer.coefficients()
         if per_token <= 0:
             return False  # no chunk timed yet
-        work = (
-            first.num_uncomputed_tokens if first.status is RequestStatus.RUNNING else first.prompt_work_tokens
-        )
-        start = max(len(first.token_ids) - work, 0)
+        work, start = _prompt_work(first)
         chunk = min(work, self.config.lane_chunk_tokens)
         chunk_s = timer.estimate_s(chunk, 0, None, prompt_pairs(chunk, start))
         rest_s = timer.estimate_s(work, 0, None, prompt_pairs(work, start))
@@ -373,6 +379,48 @@ class Scheduler:
             if 0 <= room < min(chunk_s, left * beside_s) * slower:
                 return True
         return False
+
+    def _all_threads_saves(self, first: Request, decodes: list[Request], now: float) -> bool:
+        """Whether the first prompt's chunk runs in this step with the decodes, on all threads, rather
+        than on the prefill lane (--late-prompts-all-threads): its prefill, run on the lane from now,
+        would end after its TTFT deadline, run on all threads it would not, and every decoding
+        stream's TPOT target has room for the long step.
+
+        On a CPU whose lane (half the threads) takes a long prompt's prefill past the TTFT target
+        (2,048 tokens on one of two threads without AMX), that prompt missed whatever the queue;
+        all threads save it. The cost is the decodes': one step of the chunk's length in place of
+        a decode step, a long gap (a long inter-token latency) that each stream's TPOT target must
+        still cover. Its room is priced as `_lane_waits` prices it, with the gaps left at the step
+        beside the lane (the slower of the two, as if prompts kept the lane busy from now on). A
+        prompt past saving on all threads too keeps the lane: the streams keep their steps."""
+        if not self.config.late_prompts_all_threads or not decodes or first.timings.first_token is not None:
+            return False
+        steps, lane = self.timer, self.lane_timer
+        if steps.coefficients()[1] <= 0 or lane.coefficients()[1] <= 0:
+            return False  # a prompt not yet timed on one of them
+        work, start = _prompt_work(first)
+        chunk_tokens = self.config.lane_chunk_tokens
+        pairs = prompt_pairs(work, start)
+        deadline = first.timings.arrival + ttft_target_s(first.slo, self.config.slo_ttft_s)
+        if now + lane.estimate_s(work, 0, chunk_tokens, pairs) <= deadline:
+            return False  # the lane makes it
+        if now + steps.estimate_s(work, 0, chunk_tokens, pairs) > deadline:
+            return False  # past saving either way
+        chunk = min(work, chunk_tokens)
+        step_s = steps.estimate_s(chunk, 0, chunk, prompt_pairs(chunk, start))
+        rows, context = len(decodes), sum(len(r.token_ids) for r in decodes)
+        all_s = self.decode_timer.estimate_s(rows, context, False)
+        beside_s = self.decode_timer.estimate_s(rows, context, True)
+        if all_s is None or beside_s is None:
+            return False
+        for r in decodes:
+            if r.timings.first_token is None:
+                continue
+            tpot = tpot_target_s(r.slo, self.config.slo_tpot_s)
+            room = stream_room_s(r, tpot, now, self._steps_left(r), min(max(all_s, beside_s), tpot))
+            if room < step_s - all_s:
+                return False
+        return True
 
     def held_s(self, now: float) -> float:
         """Seconds until the first waiting prompt held by admission may start; 0 if none is held."""
@@ -472,3 +520,9 @@ class Scheduler:
         """Decode steps until a running request is expected to end: its max_tokens left, or fewer where
         finished requests have been ending sooner (the mean output length so far)."""
         return max(self._expected_output_tokens(req.params) - req.num_output_tokens, 1)
+
+
+def _prompt_work(req: Request) -> tuple[int, int]:
+    """(prompt tokens still to compute, the context before them) of a request waiting or prefilling."""
+    work = req.num_uncomputed_tokens if req.status is RequestStatus.RUNNING else req.prompt_work_tokens
+    return work, max(len(req.token_ids) - work, 0)

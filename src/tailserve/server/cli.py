@@ -230,6 +230,14 @@ def register(subparsers: Any) -> None:
         "(--no-pace-lane: the lane runs whenever prompt work waits)",
     )
     s.add_argument(
+        "--late-prompts-all-threads",
+        action=argparse.BooleanOptionalAction,
+        default=_SCHED.late_prompts_all_threads,
+        help="with the prefill lane: a prompt whose TTFT target would pass on the lane, and not on all "
+        "threads, runs on all threads in the decodes' step where every stream's TPOT target has room "
+        "for that long step (--no-late-prompts-all-threads: prompts go on the lane while streams decode)",
+    )
+    s.add_argument(
         "--past-saving-share",
         type=float,
         default=_SCHED.past_saving_share,
