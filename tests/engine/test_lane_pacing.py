@@ -124,8 +124,9 @@ def test_a_prompt_the_lane_cannot_finish_by_its_deadline_yields_to_one_it_can() 
     # The steps on all threads take a 256-token chunk in 70 ms, the lane in 135 ms. Prompt A (1,000
     # tokens, 0.5 s to its deadline) ends in time at the steps' price (0.27 s) but not at the lane's
     # (0.53 s), where its chunks go while a stream decodes: it is past saving and yields to B (200
-    # tokens, due in 2 s), which the lane takes first; A keeps the rest of the chunk.
-    scheduler = _scheduler(budget=512)
+    # tokens, due in 2 s), which the lane takes first; A keeps the rest of the chunk. So it goes
+    # where late prompts stay on the lane (--no-late-prompts-all-threads); else see below.
+    scheduler = _scheduler(budget=512, all_threads=False)
     scheduler.timer.record(_Plan(0, 0), 0.0)
     scheduler.timer.record(_Plan(256, 256), 0.070)
     _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)  # room for the lane
@@ -139,6 +140,22 @@ def test_a_prompt_the_lane_cannot_finish_by_its_deadline_yields_to_one_it_can() 
     scheduler.add(fresh)
     chunks = {req.request_id: n for req, n in scheduler.step_plan(NOW, lane=True).scheduled[1:]}
     assert chunks == {"b": 200, "a": 312}
+
+
+def test_a_prompt_all_threads_can_save_keeps_its_place_and_goes_there() -> None:
+    # The same two prompts where a late prompt may run on all threads: A is not past saving (all
+    # threads end it in 0.27 s, in time), so it goes first by its deadline, on all threads, and B
+    # waits for the next step.
+    scheduler = _scheduler(budget=1024, lane_chunk=512)
+    scheduler.timer.record(_Plan(0, 0), 0.0)
+    scheduler.timer.record(_Plan(256, 256), 0.070)
+    _stream(scheduler, gaps_done=99, seconds_so_far=99 * 0.020, gaps_left=50)
+    for name, n, t, k in (("a", 1000, NOW - 1.5, 1), ("b", 200, NOW, 2)):
+        params = SamplingParams(max_tokens=8)
+        scheduler.add(Request(name, list(range(1, n + 1)), params, RequestTimings(arrival=t), seq_no=k))
+    plan = scheduler.step_plan(NOW, lane=True)
+    assert plan.all_threads
+    assert [(req.request_id, n) for req, n in plan.scheduled[1:]] == [("a", 512)]
 
 
 def test_a_lane_chunk_has_a_budget_of_its_own() -> None:
@@ -177,6 +194,8 @@ def _late_prompt_plan(
 def test_a_prompt_late_on_the_lane_and_not_on_all_threads_runs_on_all_threads() -> None:
     # 0.4 s to its deadline: 0.53 s on the lane misses it, 0.27 s on all threads does not.
     assert _late_prompt_plan(arrival=NOW - 1.6) == (True, 512)
+    # 0.6 s to go: the lane's price (0.53 s) makes it, its slow chunks' pace (1.3 x) does not.
+    assert _late_prompt_plan(arrival=NOW - 1.4) == (True, 512)
     # 1 s to go: the lane makes it, and it goes there.
     assert _late_prompt_plan(arrival=NOW - 1.0) == (False, 512)
     # 0.2 s to go: past saving on all threads too; the lane keeps it and the stream its steps.
