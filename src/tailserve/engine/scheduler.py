@@ -508,10 +508,10 @@ class Scheduler:
     def _prompt_timer(self) -> StepTimer:
         """What the prefill order prices a prompt's own prefill with (its slack, so whether it is
         urgent or past saving): the lane's chunks, on half the threads, while prompts go there and
-        once it has timed one; else the steps'. The wait model prices the work ahead of a newcomer by
-        the same choice (`WaitModel._chunk_timer`). Where a prompt late on the lane may run on all
+        once it has timed one; else the steps'. Where a prompt late on the lane may run on all
         threads (--late-prompts-all-threads), the steps': a prompt is past saving only where all
-        threads would not save it either. Priced by the lane's, a prompt the lane would end late went
+        threads would not save it either. The wait model prices the work ahead of a newcomer at the
+        lane's speed all the same (`WaitModel._chunk_timer`; docs/ENGINE.md says why). Priced by the lane's, a prompt the lane would end late went
         behind every newcomer the lane could still serve in time, and waited for them (chat-scaled
         at 0.35 req/s on the no-bf16 kind: a 1,475-token prompt with nothing ahead of it on arrival,
         predicted 1.87 s, took 5.91 s)."""
