@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tailserve.kernels import cpu as cpu_kernels
+from tailserve.kernels import onednn
 from tailserve.model.linear import Linear, WeightSource, fuse
 from tailserve.model.transformer import LMHead
 from tailserve.weights.formats import (
@@ -147,8 +148,8 @@ def test_prompt_rows_on_prepacked_weights_are_within_bf16_of_the_plain_gemm() ->
     every slice of a batch within bf16 of F.linear on the plain weight. Not bit for bit: oneDNN picks
     its blocking by row and thread count (on Sapphire Rapids 10 of 600 slices of 300 rows differ in
     their last bit at one thread, 92 at two), so bf16 prompt rows are not batch-invariant."""
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        pytest.skip("torch built without oneDNN: the plain GEMM runs")
+    if not onednn.bf16_packs():
+        pytest.skip("torch's oneDNN has no bf16 kernels on this CPU (or none at all): the plain GEMM runs")
     t = _blocks("Q4_1", 96, 576, seed=11)
     layer = Linear(WeightSource(dequantize_tensor(t), int4_from_blocks(t)), None, "int4", "bf16")
     x = torch.randn(300, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
@@ -160,6 +161,20 @@ def test_prompt_rows_on_prepacked_weights_are_within_bf16_of_the_plain_gemm() ->
         _assert_within_bf16(
             layer.prefill_matmul(x[start : start + rows]), plain[start : start + rows].float()
         )
+
+
+def test_bf16_prompt_rows_run_on_the_plain_gemm_where_onednn_cannot_pack_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU whose oneDNN has no bf16 kernels (AVX2 only: AMD Zen 3 raised on the first reorder and
+    every bf16 engine failed to start), packing leaves the weight alone and prompt rows equal F.linear."""
+    monkeypatch.setattr(onednn, "bf16_packs", lambda: False)  # what an AVX2-only CPU reports
+    t = _blocks("Q4_1", 96, 576, seed=11)
+    layer = Linear(WeightSource(dequantize_tensor(t), int4_from_blocks(t)), None, "int4", "bf16")
+    layer.pack_for_cpu()
+    assert layer.onednn is None
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    assert torch.equal(layer.prefill_matmul(x), torch.nn.functional.linear(x, layer.weight))
 
 
 # 80: an odd count of 16-output tiles (the kernel pairs them); k 1,536 (the down projection's): more

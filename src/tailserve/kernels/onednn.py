@@ -12,8 +12,11 @@ oneDNN's cache; it never changes a kernel's result.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -44,3 +47,14 @@ def reserve_cache(entries: int) -> int:
         return int(current)
     except ValueError:
         return DEFAULT_CAPACITY
+
+
+@functools.cache
+def bf16_packs() -> bool:
+    """Whether torch's oneDNN can pack and run bf16 weights here (Linear.pack_for_cpu). Its bf16
+    reorder needs AVX-512 BW, VL and DQ or AVX-NE-CONVERT: an AVX2-only CPU (AMD Zen 3 seen) has
+    neither and raises on the first reorder, so there bf16 prompt rows stay on F.linear."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(supported()) if supported is not None else True

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tailserve.kernels import cpu as cpu_kernels
+from tailserve.kernels import onednn as onednn_kernels
 from tailserve.weights.formats import (
     AmxInt4,
     Int4Groups,
@@ -181,13 +182,14 @@ class Linear(nn.Module):
         """Keep the bf16 weight also in oneDNN's blocked layout, reordered once here instead of inside
         every call: prompt rows 5-10% faster at 150-256 rows and 20-60% at 16-64 (2-core Zen 4), within
         bf16 of F.linear but not batch-invariant (oneDNN blocks by row and thread count). Costs a second copy of the dense weight (the torch path and
-        TP keep reading `weight`). No-op off CPU, for other dtypes, or without oneDNN."""
+        TP keep reading `weight`). No-op off CPU, for other dtypes, or where oneDNN has no bf16
+        kernels (`onednn_kernels.bf16_packs`: an AVX2-only CPU), which leaves prompt rows on F.linear."""
         w = self.weight
         if (
             w is None
             or w.dtype != torch.bfloat16
             or w.device.type != "cpu"
-            or not torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+            or not onednn_kernels.bf16_packs()
         ):
             return
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
