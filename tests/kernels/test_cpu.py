@@ -355,10 +355,17 @@ def _int8_prompt_scores(lib: ctypes.CDLL, dim: int) -> bool:
     return int(lib.ts_prompt_scores()) == 3 and dim % 32 == 0
 
 
+def _avx2_fma() -> bool:
+    """Whether the portable build has the AVX2 prompt kernel (every x86-64 kind of the project's)."""
+    return {"avx2", "fma"} <= set(CPU_FLAGS.split())
+
+
 def test_the_prompt_scores_run_on_what_the_build_has(lib: ctypes.CDLL, isa: str) -> None:
-    """AMX tiles on the amx build, none on the portable one; between them int8 dot products where
-    the CPU has AVX512-VNNI (every AVX-512 CPU of the project's kinds), else float32 FMAs."""
-    want = {"amx": 1, "portable": 0}.get(isa, 3 if "avx512_vnni" in CPU_FLAGS.split() else 2)
+    """AMX tiles on the amx build; on the portable one float32 FMAs where the CPU has AVX2 and FMA,
+    else none; between them int8 dot products where the CPU has AVX512-VNNI (every AVX-512 CPU of
+    the project's kinds), else float32 FMAs."""
+    portable = 2 if _avx2_fma() else 0
+    want = {"amx": 1, "portable": portable}.get(isa, 3 if "avx512_vnni" in CPU_FLAGS.split() else 2)
     assert lib.ts_prompt_scores() == want
 
 
@@ -447,11 +454,12 @@ def _prompt_case(
 
 def _prompt_kernel(lib: ctypes.CDLL, isa: str) -> None:
     """Skip unless this build runs a prompt attention kernel (AMX tiles, or float32 FMAs on AVX-512
-    without AMX); the portable build must decline (the decode kernel then runs each row, tested above)."""
-    if isa == "portable":
+    without AMX or on AVX2); a portable build without AVX2 and FMA must decline (the decode kernel
+    then runs each row, tested above)."""
+    if isa == "portable" and not _avx2_fma():
         k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, [(0, 20)], seed=1)
         assert _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, 9, 3, 64) is None
-        pytest.skip("the prompt attention kernels need AVX-512; the portable build declines them (checked)")
+        pytest.skip("the prompt attention kernels need AVX2 and FMA; this portable build declines them (checked)")
 
 
 @pytest.mark.parametrize(
