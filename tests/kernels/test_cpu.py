@@ -459,7 +459,9 @@ def _prompt_kernel(lib: ctypes.CDLL, isa: str) -> None:
     if isa == "portable" and not _avx2_fma():
         k_cache, v_cache, tables, qkv = _prompt_case(9, 3, 64, [(0, 20)], seed=1)
         assert _prompt_attention(lib, qkv[0], k_cache, v_cache, tables[0], 0, 9, 3, 64) is None
-        pytest.skip("the prompt attention kernels need AVX2 and FMA; this portable build declines them (checked)")
+        pytest.skip(
+            "the prompt attention kernels need AVX2 and FMA; this portable build declines them (checked)"
+        )
 
 
 @pytest.mark.parametrize(
