@@ -369,6 +369,14 @@ def test_the_prompt_scores_run_on_what_the_build_has(lib: ctypes.CDLL, isa: str)
     assert lib.ts_prompt_scores() == want
 
 
+def test_int8_dot_products_run_on_what_the_build_has(lib: ctypes.CDLL, isa: str) -> None:
+    """ts_vnni: 1 (VPDPBUSD) on an AVX-512 build where the CPU has AVX512-VNNI, else 2 (AVX2's
+    VPMADDUBSW, the portable build included) where it has AVX2 and FMA, else 0 (the int8 matmuls
+    decline)."""
+    vnni = isa != "portable" and "avx512_vnni" in CPU_FLAGS.split()
+    assert lib.ts_vnni() == (1 if vnni else 2 if _avx2_fma() else 0)
+
+
 def _assert_causal_softmax(
     got: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     start_pos: int, bs: int = 16, int8_scores: bool = False,
@@ -574,18 +582,18 @@ def _affine_int8_dot_reference(
 def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
     lib: ctypes.CDLL, isa: str, n: int, k: int, wide: bool
 ) -> None:
-    """ts_q4a8_prefill_matmul (AVX512-VNNI): the exact product of the int4 groups and the activations
-    rounded to int8 per group of 32, up to float32 sums and the output's bf16 rounding; activations
-    with an outlier channel; a row's bits the same alone, in any batch and at 1 or 2 threads. The
-    portable build declines, writing nothing. `wide`: ts_q4a16_matmul (decode rows), the activations
-    rounded to int16 within +-16383, on the same dot products."""
+    """ts_q4a8_prefill_matmul (AVX512-VNNI, or AVX2): the exact product of the int4 groups and the
+    activations rounded to int8 per group of 32, up to float32 sums and the output's bf16 rounding;
+    activations with an outlier channel; a row's bits the same alone, in any batch and at 1 or 2
+    threads. A build with neither declines, writing nothing. `wide`: ts_q4a16_matmul (decode rows),
+    the activations rounded to int16 within +-16383, on the same dot products."""
     g = torch.Generator().manual_seed(n + k)
     groups = int4_from_float(torch.randn(n, k, generator=g) * 0.05)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     x = torch.randn(67, k, generator=g) * 2
     x[:, 5] *= 80  # one channel far above the rest, as real prompt activations have
     x = x.to(torch.bfloat16)
-    if lib.ts_vnni() != 1:
+    if lib.ts_vnni() == 0:
         out = torch.zeros(4, 48, dtype=torch.bfloat16)
         codes = torch.zeros(3 * 24 * 64, dtype=torch.uint8)
         kernel = lib.ts_q4a16_matmul if wide else lib.ts_q4a8_prefill_matmul
@@ -593,7 +601,7 @@ def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
             ptr(x), 4, 96, ptr(codes), ptr(torch.zeros(3 * 3 * 16)), ptr(torch.zeros(3 * 3 * 16)), None, 48, ptr(out)
         )  # fmt: skip
         assert ran == 0 and not out.any()
-        pytest.skip(f"the {isa} build has no AVX512-VNNI: it declines (checked)")
+        pytest.skip(f"the {isa} build has neither AVX512-VNNI nor AVX2: it declines (checked)")
     packed = pack_vnni_int4(groups, lib, bias.float())
     got = packed.matmul(x, wide)
     want, scale = _int8_dot_reference(x, groups, bias.float(), 16383.0 if wide else 127.0)
@@ -620,22 +628,22 @@ def test_int8_dot_product_prompt_rows_are_the_groups_times_rounded_activations(
 def test_q8_head_on_int8_dot_products_is_the_blocks_times_rounded_activations(
     lib: ctypes.CDLL, isa: str
 ) -> None:
-    """ts_q8a8_matmul (the LM head where the CPU has VNNI but no bf16 arithmetic): the file's Q8_0
+    """ts_q8a8_matmul (the LM head where the CPU has VNNI or AVX2 but no bf16 arithmetic): the file's Q8_0
     groups times the activations rounded to int8 per group of 32, float32 logits (no bf16 rounding),
     over a vocabulary off the 16-wide tile; a row's bits the same alone, in any batch and at 1 or 2
-    threads. The portable build declines, writing nothing."""
+    threads. A build with neither declines, writing nothing."""
     t = _blocks("Q8_0", 1000, 224, seed=9)
     groups = int8_groups_from_blocks(t)
     assert groups is not None
     x = _bf(21, 224, seed=10)
-    if lib.ts_vnni() != 1:
+    if lib.ts_vnni() == 0:
         out = torch.zeros(2, 16)
         ran = lib.ts_q8a8_matmul(
             ptr(x), 2, 32, ptr(torch.zeros(512, dtype=torch.uint8)), ptr(torch.zeros(16)), ptr(torch.zeros(16)),
             16, ptr(out),
         )  # fmt: skip
         assert ran == 0 and not out.any()
-        pytest.skip(f"the {isa} build has no AVX512-VNNI: it declines (checked)")
+        pytest.skip(f"the {isa} build has neither AVX512-VNNI nor AVX2: it declines (checked)")
     packed = pack_vnni_int8(groups, lib)
     got = packed.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (21, 1000)
@@ -857,11 +865,13 @@ def test_a_decode_only_step_gives_the_bits_of_the_layer_by_layer_path(
 ) -> None:
     """Steps of decode rows only run every layer from one C call (ts_decode_layers); their logits are
     the module-by-module path's bit for bit: one stream, then three of unequal contexts (one past a
-    block boundary), on every build with the int4 tile matmul."""
-    if cpu_kernels.tile_matmuls() is None:
-        pytest.skip(f"the {isa} build has no int4 tile matmul: decode rows run on torch's int4 kernel")
+    block boundary), on every build with the int4 tile matmul or int8 dot products for decode rows
+    (`int4a16`: VNNI or AVX2 where the CPU has no bf16 arithmetic)."""
     lean, modules = _runner(smol, True), _runner(smol, True)
     assert modules.model.fused is not None and lean.model.fused is not None
+    if lean.model.fused._decode_plans(1) is None:
+        assert cpu_kernels.tile_matmuls() is None, "the int4 tile matmul takes every decode-only step"
+        pytest.skip(f"the {isa} build's decode rows run on torch's int4 kernel here")
     modules.model.fused._decode_steps = [None]  # a layer the loop cannot take: every step by the modules
     text = "The river Tiber runs through the city of Rome, and its bridges carry people, carts and stories "
     tokens = smol.tokenizer.encode(text * 3)

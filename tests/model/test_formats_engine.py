@@ -8,7 +8,7 @@ import torch
 
 from tailserve.config import CacheConfig, EngineConfig, ModelConfig
 from tailserve.engine import LLM, SamplingParams
-from tailserve.model.linear import Linear
+from tailserve.model.linear import Linear, WeightSource
 from tailserve.model.plans import build_model, plan_for
 from tailserve.weights.formats import VnniInt4
 from tailserve.weights.loader import LoadedModel, load_model
@@ -90,7 +90,8 @@ def test_cpus_without_bf16_run_prompt_rows_on_a_float32_copy(monkeypatch: pytest
     from tailserve.kernels import cpu as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
-    monkeypatch.setattr(cpu_kernels, "vnni", lambda: None)  # the int8 dot-product kernel: tested below
+    monkeypatch.setattr(cpu_kernels, "vnni", lambda: None)  # the int8 dot-product kernels: tested below
+    monkeypatch.setattr(cpu_kernels, "int8_dots", lambda: None)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
     assert plan_for("int4", CPU).prefill == "bf16"
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
@@ -100,7 +101,7 @@ def test_cpus_without_bf16_run_prompt_rows_on_a_float32_copy(monkeypatch: pytest
         "bf16",
         "fp32",
     ]
-    # without VNNI, decode rows stay on torch's int4 kernel (no int4a16); with no tile matmuls
+    # without int8 dot products (VNNI or AVX2), decode rows stay on torch's int4 kernel; with no tile matmuls
     # either (no AMX, no AVX512-BF16) the head is bf16
     assert plan_for("int4", CPU).decode == "int4"
     with monkeypatch.context() as patch:
@@ -128,8 +129,12 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
     from tailserve.executor.runner import ModelRunner
     from tailserve.kernels import cpu as cpu_kernels
 
-    if cpu_kernels.vnni() is None:
-        pytest.skip("the kernels here have no AVX512-VNNI build (the portable build, or no compiler)")
+    dots = cpu_kernels.int8_dots()
+    if dots is None:
+        pytest.skip(
+            "the kernels here have no int8 dot products (neither AVX512-VNNI nor AVX2, or no compiler)"
+        )
+    monkeypatch.setattr(cpu_kernels, "vnni", lambda: dots)  # AVX2's products give VNNI's bits
     monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
     monkeypatch.setattr(cpu_kernels, "tile_matmuls", lambda: None)  # no AMX, no AVX512-BF16
@@ -159,6 +164,52 @@ def test_cpus_without_bf16_but_with_vnni_run_int4_prompt_rows_on_int8_dot_produc
     assert make_lane(runner) is not None
 
 
+def test_cpus_with_avx2_alone_run_int4_decode_rows_on_int8_dot_products(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without bf16 arithmetic or VNNI but with AVX2 (AMD Zen 3), int4's decode rows run the file's
+    groups times int16-rounded activations on AVX2's int8 products (`int4a16`) and the head the q8
+    groups, while prompt rows stay on the float32 copy (`fp32w`): a mixed step's decode rows are the
+    int8 products' bits and its prompt rows the float32 GEMM's, and no prefill lane opens (the
+    float32 copy rounds by thread count)."""
+    import torch.nn.functional as F
+
+    from tailserve.engine.llm_engine import make_lane
+    from tailserve.executor.runner import ModelRunner
+    from tailserve.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.int8_dots() is None:
+        pytest.skip(
+            "the kernels here have no int8 dot products (neither AVX512-VNNI nor AVX2, or no compiler)"
+        )
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "vnni", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "tile_matmuls", lambda: None)
+    int4, int8 = plan_for("int4", CPU), plan_for("int8", CPU)
+    assert (int4.decode, int4.prefill, int4.head) == ("int4a16", "fp32w", "q8")
+    assert (int8.decode, int8.prefill, int8.head) == ("int8", "fp32w", "int8")
+    loaded = load_model("dummy:tiny", torch.float32)
+    model = build_model(loaded, "int4", CPU, 64)
+    linears = model.prompt_linears()
+    assert all(
+        linear.weight is not None and linear.weight.dtype == torch.float32 and linear.vnni4 is not None
+        for linear in linears
+    )
+    assert all(linear.int4 is None and linear.amx4 is None for linear in linears)
+    first = linears[0]
+    assert first.weight is not None and first.vnni4 is not None
+    x = torch.randn(5, first.in_features).to(torch.bfloat16)
+    mixed = first(x, 3)  # 3 decode rows, 2 prompt rows
+    bias = None if first.bias is None else first.bias.float()
+    assert torch.equal(mixed[:3], first.vnni4.matmul(x[:3], wide=True))
+    assert torch.equal(mixed[3:], F.linear(x[3:].float(), first.weight, bias).to(torch.bfloat16))
+    assert isinstance(model.lm_head.q8, VnniInt4) and model.lm_head.refine_with is not None
+    assert make_lane(ModelRunner(model, 16, 16, CPU, kv_dtype=torch.bfloat16, num_threads=2)) is None
+    with pytest.raises(ValueError, match="unsupported kernel pair"):
+        Linear(WeightSource(torch.randn(32, 64)), None, "int4a8", "fp32w")
+
+
 def test_int8_dot_products_run_the_files_own_int4_groups(
     monkeypatch: pytest.MonkeyPatch, smol: LoadedModel
 ) -> None:
@@ -169,9 +220,12 @@ def test_int8_dot_products_run_the_files_own_int4_groups(
     from tailserve.kernels import cpu as cpu_kernels
     from tailserve.weights.formats import int8_groups_from_blocks, pack_vnni_int8
 
-    lib = cpu_kernels.vnni()
+    lib = cpu_kernels.int8_dots()
     if lib is None:
-        pytest.skip("the kernels here have no AVX512-VNNI build (the portable build, or no compiler)")
+        pytest.skip(
+            "the kernels here have no int8 dot products (neither AVX512-VNNI nor AVX2, or no compiler)"
+        )
+    monkeypatch.setattr(cpu_kernels, "vnni", lambda: lib)  # AVX2's products give VNNI's bits
     monkeypatch.setattr(cpu_kernels, "amx", lambda: None)
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
     monkeypatch.setattr(cpu_kernels, "tile_matmuls", lambda: None)

@@ -189,7 +189,7 @@ def load() -> ctypes.CDLL | None:
     lib.ts_tile_isa.restype = ctypes.c_int
     lib.ts_vnni.restype = ctypes.c_int
     lib.ts_prompt_scores.restype = ctypes.c_int  # 0 none, 1 AMX, 2 float32 FMAs, 3 int8 dot products
-    lib.ts_q4a8_prefill_matmul.restype = ctypes.c_int  # 1: ran (VNNI); 0: nothing written
+    lib.ts_q4a8_prefill_matmul.restype = ctypes.c_int  # 1: ran (VNNI or AVX2); 0: nothing written
     lib.ts_q8a8_matmul.restype = ctypes.c_int  # the same
     lib.ts_q4a16_matmul.restype = ctypes.c_int  # the same
     lib.ts_set_threads.argtypes = [ctypes.c_int]
@@ -242,6 +242,14 @@ def vnni() -> ctypes.CDLL | None:
     with AVX512-VNNI (not in the portable build)."""
     lib = load()
     return lib if lib is not None and lib.ts_vnni() == 1 else None
+
+
+def int8_dots() -> ctypes.CDLL | None:
+    """The kernels if their int8 dot-product matmuls (ts_q4a16_matmul, ts_q8a8_matmul,
+    ts_q4a8_prefill_matmul) run here at all: with AVX512-VNNI (`vnni`) or, about half as fast a
+    cycle, on AVX2 (the portable build too). The same bits either way."""
+    lib = load()
+    return lib if lib is not None and lib.ts_vnni() in (1, 2) else None
 
 
 # Flags of CPUs that compute bf16 themselves (x86 AVX512-BF16 or AMX, Arm's BF16 extension).

@@ -2491,6 +2491,165 @@ static void qa_chunk(const void *arg, int64_t chunk) {
 static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
 #endif
 
+/* The same products on AVX2 (no AVX-512: AMD Zen 3 seen), from the same packed codes: VPMADDUBSW
+ * multiplies 32 byte pairs (codes 0 .. 15 unsigned, activations signed) and adds them in pairs to
+ * int16; a group's 8 k-quads add up there (each pair at most 2 x 15 x 128, eight of them below
+ * 2^15, so no sum saturates), then VPMADDWD by ones takes each output's four int16 sums to int32:
+ * the group's exact integer sum, as VPDPBUSD gives it. 8-bit codes (the q8 head's, 0 .. 255) run
+ * as their high and low nibbles, 16 x high + low. The float32 epilogue is the VNNI kernel's, in its
+ * order, so both builds give the same bits. */
+#if !defined(TS_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#define TS_QA_AVX2 1
+#define QA_ROWS 60 /* rows of a job chunk: fifteen blocks of 4 */
+#define QA_TILES 4 /* 16-output tiles of a job chunk */
+
+typedef struct {
+    const bf16 *x;
+    int8_t *xq, *xlo; /* xlo: NULL, or (a16) the low 7 bits of each value, xq then its high bits */
+    float *d, *xsum;
+    int64_t k, groups;
+} qa_quant_args;
+
+/* Rows r0 .. r1 - 1 of x rounded to int8 per group of 32 (to int16 within +-16383 where xlo is
+ * set), with each group's d and exact sum: the VNNI build's rule, element by element. */
+static void qa_quant_rows(const void *arg, int64_t r0, int64_t r1) {
+    const qa_quant_args *a = (const qa_quant_args *)arg;
+    const float limit = a->xlo == NULL ? 127.0f : 16383.0f;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < a->groups; g++) {
+            const bf16 *src = a->x + r * a->k + 32 * g;
+            float v[32], top = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                v[i] = bf16_to_f32(src[i]);
+                top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+            }
+            const float inv = top > 0.0f ? limit / top : 0.0f;
+            int8_t *dst = a->xq + r * a->k + 32 * g;
+            int8_t *low = a->xlo == NULL ? NULL : a->xlo + r * a->k + 32 * g;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                int32_t q = (int32_t)lrintf(v[i] * inv);
+                sum += q;
+                if (low == NULL) {
+                    dst[i] = (int8_t)(q > 127 ? 127 : q < -128 ? -128 : q);
+                } else {
+                    dst[i] = (int8_t)(q >> 7);
+                    low[i] = (int8_t)(q & 127);
+                }
+            }
+            const float d = top / limit;
+            a->d[r * a->groups + g] = d;
+            a->xsum[r * a->groups + g] = d * (float)sum;
+        }
+}
+
+typedef struct {
+    const int8_t *xq, *xlo; /* xlo: as qa_quant_args' */
+    const float *d, *xsum;
+    const uint8_t *w;
+    const float *scale, *min;
+    const bf16 *bias;
+    bf16 *out;
+    float *out32; /* or float32 outputs here (out unused), unrounded: the LM head's logits */
+    int64_t rows, k, groups, n_out, tiles, tile_blocks;
+    int wide; /* codes 0 .. 255 (the q8 head's): run as two nibbles */
+} qa_job;
+
+/* Group g of rows m .. m + MR - 1 x one 16-output tile (w its codes): acc[i][h] the exact int32 sums
+ * of outputs 8h .. 8h + 7. NIB: 0 the codes as stored (0 .. 15), 1 their low nibble, 2 their high. */
+static inline __attribute__((always_inline)) void qa_pass(__m256i acc[4][2], const uint8_t *w, const int8_t *xg,
+                                                          int64_t k, const int MR, const int NIB) {
+    __m256i s16[4][2];
+    for (int i = 0; i < MR; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int c = 0; c < 8; c++) {
+        __m256i wv[2];
+        for (int h = 0; h < 2; h++) {
+            wv[h] = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32 * h));
+            if (NIB == 1) wv[h] = _mm256_and_si256(wv[h], nib);
+            if (NIB == 2) wv[h] = _mm256_and_si256(_mm256_srli_epi16(wv[h], 4), nib);
+        }
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, xg + i * k + 4 * c, 4);
+            const __m256i xb = _mm256_set1_epi32(quad);
+            for (int h = 0; h < 2; h++) s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_maddubs_epi16(wv[h], xb));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < MR; i++)
+        for (int h = 0; h < 2; h++) acc[i][h] = _mm256_madd_epi16(s16[i][h], ones);
+}
+
+/* Rows m .. m + MR - 1 x tile t of the output, every group in order. A16 / WIDE: compile-time. */
+static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int64_t t, int64_t m, const int MR,
+                                                           const int A16, const int WIDE) {
+    const int64_t k = j->k, groups = j->groups, tile_bytes = (k / 4) * 64;
+    __m256 out[4][2];
+    for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[4][2], more[4][2];
+        const uint8_t *w = j->w + t * tile_bytes + g * 8 * 64;
+        const int8_t *xg = j->xq + m * k + 32 * g;
+        if (WIDE) { /* 16 x (high nibbles . x) + low nibbles . x */
+            qa_pass(acc, w, xg, k, MR, 2);
+            qa_pass(more, w, xg, k, MR, 1);
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++) acc[i][h] = _mm256_add_epi32(_mm256_slli_epi32(acc[i][h], 4), more[i][h]);
+        } else {
+            qa_pass(acc, w, xg, k, MR, 0);
+        }
+        if (A16) { /* 128 x (codes . high bits) + codes . low bits, exact in int32 */
+            qa_pass(more, w, j->xlo + m * k + 32 * g, k, MR, 0);
+            for (int i = 0; i < MR; i++)
+                for (int h = 0; h < 2; h++) acc[i][h] = _mm256_add_epi32(_mm256_slli_epi32(acc[i][h], 7), more[i][h]);
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sc = _mm256_loadu_ps(j->scale + (t * groups + g) * 16 + 8 * h);
+            const __m256 mn = _mm256_loadu_ps(j->min + (t * groups + g) * 16 + 8 * h);
+            for (int i = 0; i < MR; i++) {
+                const __m256 sd = _mm256_mul_ps(sc, _mm256_set1_ps(j->d[(m + i) * groups + g]));
+                out[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), sd, out[i][h]);
+                out[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(j->xsum[(m + i) * groups + g]), out[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        float y[16];
+        _mm256_storeu_ps(y, out[i][0]);
+        _mm256_storeu_ps(y + 8, out[i][1]);
+        const int64_t at = (m + i) * j->n_out + t * 16;
+        for (int n = 0; n < 16; n++) {
+            const float b = j->bias == NULL ? 0.0f : bf16_to_f32(j->bias[t * 16 + n]);
+            if (j->out32 != NULL) j->out32[at + n] = y[n] + b;
+            else j->out[at + n] = f32_to_bf16(y[n] + b);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void qa_chunk_as(const qa_job *j, int64_t chunk, const int A16,
+                                                              const int WIDE) {
+    const int64_t tb = chunk % j->tile_blocks, rb = chunk / j->tile_blocks;
+    const int64_t t0 = tb * QA_TILES, t1 = t0 + QA_TILES < j->tiles ? t0 + QA_TILES : j->tiles;
+    const int64_t m0 = rb * QA_ROWS, m1 = m0 + QA_ROWS < j->rows ? m0 + QA_ROWS : j->rows;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) qa_block(j, t, m, 4, A16, WIDE);
+        for (; m + 2 <= m1; m += 2) qa_block(j, t, m, 2, A16, WIDE);
+        for (; m < m1; m++) qa_block(j, t, m, 1, A16, WIDE);
+    }
+}
+
+static void qa_chunk(const void *arg, int64_t chunk) {
+    const qa_job *j = (const qa_job *)arg;
+    if (j->wide) qa_chunk_as(j, chunk, 0, 1);
+    else if (j->xlo != NULL) qa_chunk_as(j, chunk, 1, 0);
+    else qa_chunk_as(j, chunk, 0, 0);
+}
+
+static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
+#endif
+
 /* How ts_paged_prompt_attention computes a prompt's scores: 0 it declines every prompt (the decode
  * kernel runs them), 1 AMX bf16 tiles, 2 float32 FMAs, 3 int8 dot products (q and k rounded per
  * group of 32, PF_QK_INT8) for head sizes that are multiples of 32, float32 FMAs for the others. */
@@ -2506,15 +2665,19 @@ int ts_prompt_scores(void) {
 #endif
 }
 
+/* Which int8 dot products the build has: 1 AVX512-VNNI (VPDPBUSD), 2 AVX2 (VPMADDUBSW + VPMADDWD:
+ * the same sums and bits, about half the products a cycle), 0 none. */
 int ts_vnni(void) {
 #if defined(TS_VNNI)
     return 1;
+#elif defined(TS_QA_AVX2)
+    return 2;
 #else
     return 0;
 #endif
 }
 
-#if defined(TS_VNNI)
+#if defined(TS_VNNI) || defined(TS_QA_AVX2)
 static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                       const float *min, const bf16 *bias, int64_t n_out, bf16 *out, float *out32, int a16) {
     const int64_t groups = k / 32, tiles = n_out / 16;
@@ -2527,17 +2690,22 @@ static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *cod
     const qa_quant_args qa = {x, xq, xlo, d, xsum, k, groups};
     parallel_rows(qa_quant_rows, &qa, rows, k);
     const int64_t tile_blocks = (tiles + QA_TILES - 1) / QA_TILES;
+#if defined(TS_QA_AVX2)
+    const qa_job job = {xq, xlo, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks,
+                        out32 != NULL};
+#else
     const qa_job job = {xq, xlo, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks};
+#endif
     parallel_chunks(qa_chunk, &job, tile_blocks * ((rows + QA_ROWS - 1) / QA_ROWS));
 }
 #endif
 
 /* out [rows, n_out] bf16 = x [rows, k] bf16 through the int4 groups, the activations rounded to
  * int8 per group of 32 (see above); n_out and k multiples of 16 and 32. Returns 0 (nothing
- * written) where the build has no VNNI. Prompt rows; decode rows take ts_q4a16_matmul (below). */
+ * written) where the build has neither VNNI nor AVX2. Prompt rows; decode rows take ts_q4a16_matmul (below). */
 int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                            const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
-#if defined(TS_VNNI)
+#if defined(TS_VNNI) || defined(TS_QA_AVX2)
     qa_matmul(x, rows, k, codes, scale, min, bias, n_out, out, NULL, 0);
     return 1;
 #else
@@ -2549,10 +2717,10 @@ int ts_q4a8_prefill_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t
 /* The LM head on the same dot products: float32 logits [rows, n_out] = x through the file's Q8_0
  * groups, laid out as ts_q4a8_prefill_matmul's with each code stored plus 128 (0 .. 255) and min =
  * -128 scale (w = scale * stored + min, exact: -128 scale is a power-of-two multiple). Returns 0
- * (nothing written) where the build has no VNNI. */
+ * (nothing written) where the build has neither VNNI nor AVX2. */
 int ts_q8a8_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                    const float *min, int64_t n_out, float *out) {
-#if defined(TS_VNNI)
+#if defined(TS_VNNI) || defined(TS_QA_AVX2)
     qa_matmul(x, rows, k, codes, scale, min, NULL, n_out, NULL, out, 0);
     return 1;
 #else
@@ -2604,10 +2772,10 @@ void ts_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *wo
  * |x|: nearly exact, where int8's 1/254 cost a decode row's top-1 1.4 points) and split in two
  * bytes, 128 x high + low, each multiplied on VPDPBUSD: twice the dot products of int8 activations,
  * the same codes read. Integer sums, so a row's bits hold at any thread count and batch. Returns 0
- * (nothing written) where the build has no VNNI. */
+ * (nothing written) where the build has neither VNNI nor AVX2. */
 int ts_q4a16_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                     const float *min, const bf16 *bias, int64_t n_out, bf16 *out) {
-#if defined(TS_VNNI)
+#if defined(TS_VNNI) || defined(TS_QA_AVX2)
     qa_matmul(x, rows, k, codes, scale, min, bias, n_out, out, NULL, 1);
     return 1;
 #else

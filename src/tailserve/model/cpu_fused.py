@@ -415,16 +415,8 @@ def _layer_plan(layer: DecoderLayer) -> _LayerPlan | None:
     then SiLU x up (what the module path would then run)."""
     linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
     plan = (ptr(layer.input_norm), ptr(layer.post_norm))
-    if all(linear.vnni4 is not None for linear in linears):
-        vnni: list[tuple[int, int, int, int | None]] = []
-        for linear in linears:
-            v = linear.vnni4
-            assert v is not None
-            if v.scale.shape[0] * 16 != linear.out_features:
-                return None
-            vnni.append((ptr(v.codes), ptr(v.scale), ptr(v.min), None if v.bias is None else ptr(v.bias)))
-        qkv, o, gate_up, down = vnni
-        return _LayerPlan(qkv, o, gate_up, down, *plan, int4a8=True)
+    if all(linear.prefill_kernel == "int4a8" for linear in linears):
+        return _int8_dots_plan(layer)
     args: list[tuple[int, int, int, int | None]] = []
     for linear in linears:
         amx4 = linear.amx4
@@ -438,12 +430,25 @@ def _layer_plan(layer: DecoderLayer) -> _LayerPlan | None:
     return _LayerPlan(qkv, o, gate_up, down, *plan)
 
 
+def _int8_dots_plan(layer: DecoderLayer) -> _LayerPlan | None:
+    """The layer's plan on int8 dot products (its linears' `vnni4` codes; `int4a8` set), or None where a
+    linear has no such codes or padded outputs."""
+    args: list[tuple[int, int, int, int | None]] = []
+    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        v = linear.vnni4
+        if v is None or v.scale.shape[0] * 16 != linear.out_features:
+            return None
+        args.append((ptr(v.codes), ptr(v.scale), ptr(v.min), None if v.bias is None else ptr(v.bias)))
+    qkv, o, gate_up, down = args
+    return _LayerPlan(qkv, o, gate_up, down, ptr(layer.input_norm), ptr(layer.post_norm), int4a8=True)
+
+
 def _decode_plan(layer: DecoderLayer) -> _LayerPlan | None:
     """The layer's plan for decode rows, or None unless each linear runs them on the int4 tile kernel
     (ts_q4_matmul: the AMX or AVX512-BF16 build) or all on int8 dot products (`int4a8`: the prompt
-    rows' plan) with no padded outputs."""
+    rows' codes, whatever runs the prompt rows) with no padded outputs."""
     if all(linear.decode_kernel in ("int4a8", "int4a16") for linear in layer.linears()):
-        return _layer_plan(layer)
+        return _int8_dots_plan(layer)
     args: list[tuple[int, int, int, int | None]] = []
     for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
         amx4 = linear.amx4

@@ -30,9 +30,9 @@ from tailserve.weights.formats import (
     pack_vnni_int4,
 )
 
-# Decode-row kernels. `int4a8` and `int4a16` (CPUs without bf16 arithmetic, with AVX512-VNNI): the
-# int4 groups on int8 dot products, the activations rounded to int8 (the prompt rows' kernel) or to
-# int16 (formats.plan_for).
+# Decode-row kernels. `int4a8` and `int4a16` (CPUs without bf16 arithmetic, with AVX512-VNNI or
+# AVX2): the int4 groups on int8 dot products, the activations rounded to int8 (the prompt rows'
+# kernel) or to int16 (plans.plan_for). `int4a16` also pairs with `fp32w` prompt rows (AVX2 alone).
 KERNELS = ("fp32", "bf16", "int4", "int8", "int4a8", "int4a16")
 PACK_ROWS_HINT = 256  # the rows oneDNN's weight layout is chosen for: a full step budget of prompt rows
 # The dense copy's dtype per prompt-row kernel. `fp32w`: bf16 activations in and out, the product on
@@ -86,6 +86,7 @@ class Linear(nn.Module):
         vnni_prefill = prefill == "int4a8"  # int8 dot products over the same groups, no dense copy either
         # int4 groups on prompt rows pair with int4 decode rows; int4a8 also with the VNNI decode kernels
         int4_decodes = ("int4", "int4a8", "int4a16") if vnni_prefill else ("int4",)
+        int8_decodes = decode in ("int4a8", "int4a16")  # the int4 groups' int8 dot products on decode rows
         if (
             decode not in KERNELS
             or (
@@ -93,7 +94,7 @@ class Linear(nn.Module):
                 and not ((amx_prefill or vnni_prefill) and decode in int4_decodes)
             )
             or (prefill == "fp32") != (decode == "fp32")
-            or (decode in ("int4a8", "int4a16") and not vnni_prefill)
+            or (int8_decodes and not (vnni_prefill or (prefill == "fp32w" and decode == "int4a16")))
         ):
             raise ValueError(f"unsupported kernel pair decode={decode!r} prefill={prefill!r}")
         self.decode_kernel, self.prefill_kernel = decode, prefill
@@ -117,10 +118,13 @@ class Linear(nn.Module):
         if amx_prefill and (self.amx4 is None or cpu_kernels.amx() is None):
             raise ValueError("prefill int4 needs the fused CPU kernels with AMX")
         self.vnni4: VnniInt4 | None = None
-        if vnni_prefill:
-            vnni = cpu_kernels.vnni()
+        if vnni_prefill or int8_decodes:
+            vnni = cpu_kernels.int8_dots()
             if vnni is None:
-                raise ValueError("prefill int4a8 needs the fused CPU kernels with AVX512-VNNI")
+                raise ValueError(
+                    f"{'prefill int4a8' if vnni_prefill else f'decode {decode}'} needs the fused CPU kernels' "
+                    "int8 dot products (AVX512-VNNI or AVX2)"
+                )
             self.vnni4 = pack_vnni_int4(source.int4_groups(), vnni, bias)
         self.int8: PackedInt8 | None = pack_int8(int8_from_float(source.dense)) if decode == "int8" else None
         self.bias = (
@@ -142,7 +146,7 @@ class Linear(nn.Module):
         rows before it run on the decode kernel."""
         dense_decodes = self.dense_decode_from_rows is not None and num_decodes >= self.dense_decode_from_rows
         same = self.decode_kernel == self.prefill_kernel and (
-            self.weight is not None or self.vnni4 is not None
+            self.weight is not None or self.prefill_kernel == "int4a8"
         )
         return 0 if same or num_decodes == 0 or dense_decodes else min(num_decodes, rows)
 
@@ -159,7 +163,8 @@ class Linear(nn.Module):
     def prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous through the prompt-row kernel: the dense copy, the AMX int4 widening,
         or int8 dot products over the int4 groups (`int4a8`)."""
-        if self.vnni4 is not None:
+        if self.prefill_kernel == "int4a8":
+            assert self.vnni4 is not None
             return self.vnni4.matmul(x)
         if self.weight is None:
             assert self.amx4 is not None

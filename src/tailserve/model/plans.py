@@ -71,11 +71,11 @@ def plan_for(
     head, prefill = head or plan.head, plan.prefill
     cpu = device.type == "cpu"
     if not cpu or (
-        cpu_kernels.tile_matmuls() is None and (cpu_kernels.native_bf16() or cpu_kernels.vnni() is None)
+        cpu_kernels.tile_matmuls() is None and (cpu_kernels.native_bf16() or cpu_kernels.int8_dots() is None)
     ):
-        # q8 without tile matmuls: on int8 dot products where the CPU has VNNI but no bf16 arithmetic
-        # (torch's bf16 head is emulated there: 3.1 / 20.7 ms for 1 / 16 rows against 1.4 / 3.0 on 2 vCPUs),
-        # else the bf16 head.
+        # q8 without tile matmuls: on int8 dot products where the CPU has them (VNNI, or AVX2) but no
+        # bf16 arithmetic (torch's bf16 head is emulated there: 3.1 / 20.7 ms for 1 / 16 rows against
+        # 1.4 / 3.0 on 2 vCPUs of the VNNI kind), else the bf16 head.
         head = "bf16" if head == "q8" else head
     if not cpu or cpu_kernels.amx() is None:
         prefill = "bf16" if prefill == "int4" else prefill
@@ -87,9 +87,14 @@ def plan_for(
         # groups times int8-rounded activations on int8 dot products (`int4a8`), no dense copy. Its
         # decode rows take the same codes with int16-rounded activations (`int4a16`: torch's int4
         # kernel runs bf16 emulated there, 1.5-2.6x slower; int8 decode rows would be faster at 4+
-        # rows but cost a decode row's top-1 1.5 points, docs/ENGINE.md).
+        # rows but cost a decode row's top-1 1.5 points, docs/ENGINE.md). With AVX2 alone (no
+        # VNNI: AMD Zen 3) the same decode rows run on AVX2's int8 products, and prompt rows stay on
+        # the float32 copy: int4a8 there bought only 0.73-0.82x a prefill step and turned the
+        # README's greedy answer (docs/notes/tail-under-slo.md, 2026-12-07).
         prefill = "int4a8" if plan.decode == "int4" and cpu_kernels.vnni() is not None else "fp32w"
-        decode = "int4a16" if prefill == "int4a8" else decode
+        if plan.decode == "int4" and cpu_kernels.int8_dots() is not None:
+            decode = "int4a16"
+
     return FormatPlan(decode, prefill, head, dense_decode_from_rows)
 
 

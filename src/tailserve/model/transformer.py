@@ -47,7 +47,8 @@ HEAD_KERNELS = ("fp32", "bf16", "int8", "int4", "q8")
 class FormatPlan:
     """Which kernel each part of the model runs: layer linears per phase, and the LM head on its own."""
 
-    # layer linears on decode rows: fp32, bf16, int4, int8 or int4a8 (prompt rows' int8 dot products)
+    # layer linears on decode rows: fp32, bf16, int4, int8, int4a8 (prompt rows' int8 dot products) or
+    # int4a16 (the same codes, activations rounded to int16)
     decode: str
     # layer linears on prefill rows: fp32, bf16, fp32w (bf16 activations on a float32 weight copy,
     # for CPUs without bf16 arithmetic), int4 (AMX: groups widened to bf16) or int4a8 (the int4
@@ -208,13 +209,13 @@ class LMHead(nn.Module):
         self.q8: AmxInt8 | VnniInt4 | None = None
         if kernel == "q8":
             lib = cpu_kernels.tile_matmuls()
-            vnni = cpu_kernels.vnni() if lib is None else None
+            vnni = cpu_kernels.int8_dots() if lib is None else None
             groups = int8_groups if int8_groups is not None else int8_groups_from_float(weight)
             if lib is None and vnni is None:
                 raise ValueError(
-                    "the q8 LM head needs the fused CPU kernels with AMX, AVX512-BF16 or AVX512-VNNI"
+                    "the q8 LM head needs the fused CPU kernels with AMX, AVX512-BF16, AVX512-VNNI or AVX2"
                 )
-            # With VNNI alone: the activations rounded to int8 per group of 32 too (int8 dot products),
+            # With VNNI or AVX2 alone: the activations rounded to int8 per group of 32 too (int8 dot products),
             # so the best REFINE_TOP are re-scored as the bf16 head's are.
             if lib is not None:
                 self.q8, refine_with = pack_amx_int8(groups, lib), None
