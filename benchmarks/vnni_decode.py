@@ -1,5 +1,5 @@
-"""Decode-row matmuls on a CPU with AVX512-VNNI but no bf16 arithmetic: what one decode step's
-linears and LM head cost on each kernel this tree has for them, in one process.
+"""Decode-row matmuls on a CPU with int8 dot products (AVX512-VNNI, or AVX2) but no bf16 arithmetic:
+what one decode step's linears and LM head cost on each kernel this tree has for them, in one process.
 
 The four layer matmuls of the default model (QKV 576->960, O 576->576, gate|up 576->3,072, down
 1,536->576; random int4 groups, 30 x one layer's time, that layer's weights warm in the caches from
@@ -51,9 +51,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    lib = cpu_kernels.vnni()
+    lib = cpu_kernels.int8_dots()
     if lib is None:
-        raise SystemExit("the kernels here have no AVX512-VNNI build")
+        raise SystemExit("the kernels here have no int8 dot products (neither AVX512-VNNI nor AVX2)")
     torch.set_num_threads(args.threads)
     lib.ts_set_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -70,7 +70,8 @@ def main() -> None:
     )
     head_bf16 = head_groups.dequantize().to(torch.bfloat16)
     head_q8 = pack_vnni_int8(head_groups, lib)
-    print(f"threads {args.threads}; ms per decode step (30 layers' four matmuls), then the head alone")
+    isa = "AVX512-VNNI" if lib.ts_vnni() == 1 else "AVX2"
+    print(f"{isa}, threads {args.threads}; ms per decode step (30 layers' four matmuls), then the head alone")
     print("| rows | torch int4 | int8 activations | int16 activations | head: torch bf16 | head: q8a8 |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for m in args.rows:

@@ -2356,8 +2356,13 @@ int ts_paged_prompt_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cac
  * 4c .. 4c + 3), 64 bytes (ts_pack_q4a8); scale and min float32 [N/16, K/32, 16] as ts_q4_matmul's. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define TS_VNNI 1
-#define QA_ROWS 60   /* rows of a job chunk: ten blocks of 6 */
-#define QA_TILES 4   /* 16-output tiles of a job chunk */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TS_QA_AVX2 1 /* the same products on AVX2: below this build's */
+#endif
+
+#if defined(TS_VNNI) || defined(TS_QA_AVX2)
+#define QA_TILES 4 /* 16-output tiles of a job chunk */
+#define QA_ROWS 60  /* rows of a job chunk: blocks of 6 (VNNI) or 4 (AVX2) */
 
 typedef struct {
     const bf16 *x;
@@ -2365,36 +2370,6 @@ typedef struct {
     float *d, *xsum;
     int64_t k, groups;
 } qa_quant_args;
-
-/* Rows r0 .. r1 - 1 of x rounded to int8 per group of 32 (to int16 within +-16383 where xlo is
- * set: q = 128 xq + xlo, xlo in 0 .. 127, xq in -128 .. 127), with each group's d and exact sum. */
-static void qa_quant_rows(const void *arg, int64_t r0, int64_t r1) {
-    const qa_quant_args *a = (const qa_quant_args *)arg;
-    const float limit = a->xlo == NULL ? 127.0f : 16383.0f;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t g = 0; g < a->groups; g++) {
-            const bf16 *src = a->x + r * a->k + 32 * g;
-            const __m512 lo = load16_bf16(src), hi = load16_bf16(src + 16);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            const __m512 inv = _mm512_set1_ps(top > 0.0f ? limit / top : 0.0f);
-            int8_t *dst = a->xq + r * a->k + 32 * g;
-            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            if (a->xlo == NULL) {
-                _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(qlo));
-                _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(qhi));
-            } else {
-                const __m512i low7 = _mm512_set1_epi32(127);
-                int8_t *low = a->xlo + r * a->k + 32 * g;
-                _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qlo, 7)));
-                _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qhi, 7)));
-                _mm_storeu_si128((__m128i *)low, _mm512_cvtepi32_epi8(_mm512_and_si512(qlo, low7)));
-                _mm_storeu_si128((__m128i *)(low + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(qhi, low7)));
-            }
-            const float d = top / limit;
-            a->d[r * a->groups + g] = d;
-            a->xsum[r * a->groups + g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        }
-}
 
 typedef struct {
     const int8_t *xq, *xlo; /* xlo: as qa_quant_args' */
@@ -2405,7 +2380,35 @@ typedef struct {
     bf16 *out;
     float *out32; /* or float32 outputs here (out unused), unrounded: the LM head's logits */
     int64_t rows, k, groups, n_out, tiles, tile_blocks;
+    int wide; /* codes 0 .. 255 (the q8 head's): AVX2 runs them as two nibbles; VPDPBUSD takes them whole */
 } qa_job;
+
+static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
+#endif
+
+#if defined(TS_VNNI)
+
+/* One group of 32 activations rounded to int8 (to int16 within +-16383 where low is set: q = 128 xq
+ * + low, low in 0 .. 127, xq in -128 .. 127) by limit / its largest |x|, which it returns; *sum the
+ * exact sum of the rounded values. */
+static inline float qa_quant_group(const bf16 *src, float limit, int8_t *dst, int8_t *low, int32_t *sum) {
+    const __m512 lo = load16_bf16(src), hi = load16_bf16(src + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? limit / top : 0.0f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    if (low == NULL) {
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+    } else {
+        const __m512i low7 = _mm512_set1_epi32(127);
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qlo, 7)));
+        _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qhi, 7)));
+        _mm_storeu_si128((__m128i *)low, _mm512_cvtepi32_epi8(_mm512_and_si512(qlo, low7)));
+        _mm_storeu_si128((__m128i *)(low + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(qhi, low7)));
+    }
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    return top;
+}
 
 /* Rows m .. m + MR - 1 x tiles t .. t + NT - 1 of the output, every group in order. */
 static inline __attribute__((always_inline)) void qa_pass(__m512i acc[6][2], const uint8_t *w, int64_t tile_bytes,
@@ -2487,8 +2490,6 @@ static void qa_chunk(const void *arg, int64_t chunk) {
     if (j->xlo != NULL) qa_chunk_as(j, chunk, 1);
     else qa_chunk_as(j, chunk, 0);
 }
-
-static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
 #endif
 
 /* The same products on AVX2 (no AVX-512: AMD Zen 3 seen), from the same packed codes: VPMADDUBSW
@@ -2498,62 +2499,30 @@ static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations
  * the group's exact integer sum, as VPDPBUSD gives it. 8-bit codes (the q8 head's, 0 .. 255) run
  * as their high and low nibbles, 16 x high + low. The float32 epilogue is the VNNI kernel's, in its
  * order, so both builds give the same bits. */
-#if !defined(TS_VNNI) && defined(__AVX2__) && defined(__FMA__)
-#define TS_QA_AVX2 1
-#define QA_ROWS 60 /* rows of a job chunk: fifteen blocks of 4 */
-#define QA_TILES 4 /* 16-output tiles of a job chunk */
+#if defined(TS_QA_AVX2)
 
-typedef struct {
-    const bf16 *x;
-    int8_t *xq, *xlo; /* xlo: NULL, or (a16) the low 7 bits of each value, xq then its high bits */
-    float *d, *xsum;
-    int64_t k, groups;
-} qa_quant_args;
-
-/* Rows r0 .. r1 - 1 of x rounded to int8 per group of 32 (to int16 within +-16383 where xlo is
- * set), with each group's d and exact sum: the VNNI build's rule, element by element. */
-static void qa_quant_rows(const void *arg, int64_t r0, int64_t r1) {
-    const qa_quant_args *a = (const qa_quant_args *)arg;
-    const float limit = a->xlo == NULL ? 127.0f : 16383.0f;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t g = 0; g < a->groups; g++) {
-            const bf16 *src = a->x + r * a->k + 32 * g;
-            float v[32], top = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                v[i] = bf16_to_f32(src[i]);
-                top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
-            }
-            const float inv = top > 0.0f ? limit / top : 0.0f;
-            int8_t *dst = a->xq + r * a->k + 32 * g;
-            int8_t *low = a->xlo == NULL ? NULL : a->xlo + r * a->k + 32 * g;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) {
-                int32_t q = (int32_t)lrintf(v[i] * inv);
-                sum += q;
-                if (low == NULL) {
-                    dst[i] = (int8_t)(q > 127 ? 127 : q < -128 ? -128 : q);
-                } else {
-                    dst[i] = (int8_t)(q >> 7);
-                    low[i] = (int8_t)(q & 127);
-                }
-            }
-            const float d = top / limit;
-            a->d[r * a->groups + g] = d;
-            a->xsum[r * a->groups + g] = d * (float)sum;
+/* qa_quant_group of the VNNI build, element by element (the same values). */
+static inline float qa_quant_group(const bf16 *src, float limit, int8_t *dst, int8_t *low, int32_t *sum) {
+    float v[32], top = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        v[i] = bf16_to_f32(src[i]);
+        top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+    }
+    const float inv = top > 0.0f ? limit / top : 0.0f;
+    int32_t total = 0;
+    for (int i = 0; i < 32; i++) {
+        const int32_t q = (int32_t)lrintf(v[i] * inv);
+        total += q;
+        if (low == NULL) {
+            dst[i] = (int8_t)(q > 127 ? 127 : q < -128 ? -128 : q);
+        } else {
+            dst[i] = (int8_t)(q >> 7);
+            low[i] = (int8_t)(q & 127);
         }
+    }
+    *sum = total;
+    return top;
 }
-
-typedef struct {
-    const int8_t *xq, *xlo; /* xlo: as qa_quant_args' */
-    const float *d, *xsum;
-    const uint8_t *w;
-    const float *scale, *min;
-    const bf16 *bias;
-    bf16 *out;
-    float *out32; /* or float32 outputs here (out unused), unrounded: the LM head's logits */
-    int64_t rows, k, groups, n_out, tiles, tile_blocks;
-    int wide; /* codes 0 .. 255 (the q8 head's): run as two nibbles */
-} qa_job;
 
 /* Group g of rows m .. m + MR - 1 x one 16-output tile (w its codes): acc[i][h] the exact int32 sums
  * of outputs 8h .. 8h + 7. NIB: 0 the codes as stored (0 .. 15), 1 their low nibble, 2 their high. */
@@ -2646,8 +2615,6 @@ static void qa_chunk(const void *arg, int64_t chunk) {
     else if (j->xlo != NULL) qa_chunk_as(j, chunk, 1, 0);
     else qa_chunk_as(j, chunk, 0, 0);
 }
-
-static __thread scratch_buf qa_scratch; /* the caller's: the rounded activations of a call */
 #endif
 
 /* How ts_paged_prompt_attention computes a prompt's scores: 0 it declines every prompt (the decode
@@ -2678,6 +2645,22 @@ int ts_vnni(void) {
 }
 
 #if defined(TS_VNNI) || defined(TS_QA_AVX2)
+/* Rows r0 .. r1 - 1 of x rounded per group of 32 (qa_quant_group), with each group's d (its
+ * largest |x| / limit) and exact sum times d. */
+static void qa_quant_rows(const void *arg, int64_t r0, int64_t r1) {
+    const qa_quant_args *a = (const qa_quant_args *)arg;
+    const float limit = a->xlo == NULL ? 127.0f : 16383.0f;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < a->groups; g++) {
+            const int64_t at = r * a->k + 32 * g;
+            int32_t sum;
+            const float top = qa_quant_group(a->x + at, limit, a->xq + at, a->xlo == NULL ? NULL : a->xlo + at, &sum);
+            const float d = top / limit;
+            a->d[r * a->groups + g] = d;
+            a->xsum[r * a->groups + g] = d * (float)sum;
+        }
+}
+
 static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                       const float *min, const bf16 *bias, int64_t n_out, bf16 *out, float *out32, int a16) {
     const int64_t groups = k / 32, tiles = n_out / 16;
@@ -2690,12 +2673,8 @@ static void qa_matmul(const bf16 *x, int64_t rows, int64_t k, const uint8_t *cod
     const qa_quant_args qa = {x, xq, xlo, d, xsum, k, groups};
     parallel_rows(qa_quant_rows, &qa, rows, k);
     const int64_t tile_blocks = (tiles + QA_TILES - 1) / QA_TILES;
-#if defined(TS_QA_AVX2)
     const qa_job job = {xq, xlo, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks,
                         out32 != NULL};
-#else
-    const qa_job job = {xq, xlo, d, xsum, codes, scale, min, bias, out, out32, rows, k, groups, n_out, tiles, tile_blocks};
-#endif
     parallel_chunks(qa_chunk, &job, tile_blocks * ((rows + QA_ROWS - 1) / QA_ROWS));
 }
 #endif
