@@ -3,7 +3,8 @@ process, in real time, serving Poisson arrivals of the chat-scaled lengths (prom
 tokens, answers of 64-256), no HTTP. Before each step is recorded, the timer (fed every earlier step)
 predicts it three ways; the error is (predicted - measured) / measured:
 
-- `pairs`: decode step + a x prompt tokens + b x query-key pairs (the fit the wait model uses);
+- `pairs`: decode step + c + a x prompt tokens + b x query-key pairs (the fit the wait model uses;
+  c, a prompt step's fixed cost, is 0 before 2026-12-07's fit);
 - `single`: decode step + one price per prompt token (what it used before, and its fallback);
 - `decode`: for steps without prompt tokens, the decode-step average (rows are not in it);
 - `idle_step` and `idle_as_budget_steps`: the steps with no decode that carry more prompt tokens
@@ -55,7 +56,7 @@ def predictions(timer: StepTimer, plan: Any) -> dict[str, float]:
     pairs = (
         single
         if pair_price is None
-        else decode_s + tokens * pair_price[0] + plan.prompt_pairs * pair_price[1]
+        else decode_s + pair_price[0] + tokens * pair_price[1] + plan.prompt_pairs * pair_price[2]
     )
     return {"pairs": pairs, "single": single}
 

@@ -151,7 +151,7 @@ def _tpot_misses(outcomes: list[Outcome]) -> list[float]:
 
 def test_admission_priced_on_tpot_keeps_the_streams_within_their_target() -> None:
     """Priced on TTFT alone, admission let in requests whose streams then ran past the 30 ms TPOT
-    target (30% of them here, by up to 1.4x; 55% on the served engine). With the TPOT price, a
+    target (25% of them here, by up to 1.28x; 55% on the served engine). With the TPOT price, a
     newcomer that would push a stream over its target is refused: at most 3% of the admitted miss,
     by 10% on average (the policy lends a stream's room under its target to prefill, so streams
     end near it), and more requests meet both targets than before, despite the extra refusals."""
@@ -159,7 +159,7 @@ def test_admission_priced_on_tpot_keeps_the_streams_within_their_target() -> Non
     admitted = [o for o in priced if o.admitted]
     misses = _tpot_misses(priced)
     assert len(_tpot_misses(ttft_only)) >= 0.15 * len([o for o in ttft_only if o.admitted])
-    assert max(o.tpot_s or 0.0 for o in ttft_only) > 1.3 * TPOT_S
+    assert max(o.tpot_s or 0.0 for o in ttft_only) > 1.2 * TPOT_S
     assert len(misses) <= 0.03 * len(admitted)
     assert sum(misses) <= 1.1 * TPOT_S * len(misses)
     assert sum(map(_met, priced)) >= 1.1 * sum(map(_met, ttft_only))
@@ -169,7 +169,7 @@ def test_a_newcomer_held_until_a_stream_ends_is_not_refused() -> None:
     """Where a newcomer's prompt would push a stream over its TPOT target now but not once a stream
     has ended, and its first token still comes within its TTFT target so, admission holds it in the
     queue instead of refusing it (--admission-hold, the default): fewer refusals than refusing it
-    (61 of 400 here, against 68; 54 against 67 before the price counted arrivals still to come),
+    (68 of 400 here, against 77; 54 against 67 before the price counted arrivals still to come),
     misses still at most 3% of the admitted, the held ones within their TTFT target, and more
     requests within both targets."""
     refusing, holding = _chat_load(tpot=True, hold=False), _chat_load(tpot=True)

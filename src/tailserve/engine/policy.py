@@ -180,7 +180,7 @@ class SloPolicy:
         decode_step_s, per_token = self.timer.coefficients()
         if per_token <= 0:
             return budget  # no timing yet
-        room = (self.step_budget_s(decodes, now) - decode_step_s) / per_token
+        room = (self.step_budget_s(decodes, now) - decode_step_s - self.timer.prompt_step_s()) / per_token
         # Prefill always keeps a share of the budget: when decodes alone already miss the TPOT
         # target, starving prompts would not save the streams and would wreck TTFT.
         floor = max(self.min_chunk, int(budget * self.config.prefill_floor))

@@ -237,6 +237,7 @@ class StepTimer:
 
     PREFILL_HEAVY_TOKENS = 32  # a step with at least this many prompt tokens prices a prompt token
     PAIR_FORGET = 0.05  # the pair fit's weight of a step decays by this per later prompt step (~20 steps)
+    SIZE_SPREAD = 0.1  # the least spread of prompt tokens a step (std / mean) that fits the fixed cost
 
     def __init__(self, alpha: float = 0.2, budget_tokens: int = 256) -> None:
         self.alpha = alpha
@@ -246,11 +247,14 @@ class StepTimer:
         self._decode_step_s: float | None = None
         self._per_token_s: float | None = None
         self._any_step_s: float | None = None  # every step, whatever its mix
-        # Exponentially weighted sums of the least-squares fit own = a x tokens + b x pairs:
-        # tokens^2, tokens x pairs, pairs^2, tokens x own, pairs x own.
-        self._fit = [0.0] * 5
+        # Exponentially weighted sums of the least-squares fit own = c + a x tokens + b x pairs, on
+        # x = (1, kilotokens, megapairs): the upper triangle of x x^T, then x own.
+        self._xx = [0.0] * 6
+        self._xy = [0.0] * 3
         self._context: float | None = None  # recent pairs per prompt token (the mean context attended)
-        self._pair_price: tuple[float, float] | None = None  # (a, b) once the fit is determined
+        # (c, a, b) once the fit is determined: seconds a step carrying prompt tokens costs beyond a
+        # decode step whatever its size, then per prompt token and per query-key pair.
+        self._pair_price: tuple[float, float, float] | None = None
         # Idle seconds between one chunk's end and the next one's start while prompt work waited
         # (the prefill lane: its next chunk starts with the step after the one it ended in).
         self._gap_s: float | None = None
@@ -283,22 +287,38 @@ class StepTimer:
 
     def _fit_pairs(self, tokens: int, pairs: int, own: float) -> None:
         """A prompt token's price grows with the context it attends to (prompt attention reads
-        every earlier position): fit what a step took beyond its decode step as a x tokens + b x
-        pairs (`prompt_pairs`), least squares over recent prompt steps. A single price per token
-        priced a 2,000-token prompt's late chunks like its first ones (issue 40). Until steps of
-        different contexts have been seen, or where the fit would make either price negative,
-        it keeps the single price."""
+        every earlier position), and a step that carries prompt tokens costs more than a decode
+        step before its first token (the prompt rows' weights read and packed once a step): fit
+        what a step took beyond its decode step as c + a x tokens + b x pairs (`prompt_pairs`),
+        least squares over recent prompt steps. A single price per token priced a 2,000-token
+        prompt's late chunks like its first ones (issue 40); a fit without c priced a prompt in
+        64-token chunks beside decodes like one 256-token step, where on the Zen 3 kind each chunk
+        paid ~60 ms more (docs/notes/tail-under-slo.md, "A prompt step's own fixed cost"). Until
+        steps of different sizes have been seen, or where c would be negative, it fits a and b
+        alone; until different contexts have been seen, or where either would be negative, it
+        keeps the single price."""
         keep = 1.0 - self.PAIR_FORGET
-        f = self._fit
-        for i, v in enumerate((tokens * tokens, tokens * pairs, pairs * pairs, tokens * own, pairs * own)):
-            f[i] = keep * f[i] + v
+        x = (1.0, tokens / 1e3, pairs / 1e6)
+        products = (x[0] * x[0], x[0] * x[1], x[0] * x[2], x[1] * x[1], x[1] * x[2], x[2] * x[2])
+        self._xx = [keep * s + v for s, v in zip(self._xx, products, strict=True)]
+        self._xy = [keep * s + xi * own for s, xi in zip(self._xy, x, strict=True)]
         self._context = self._ewma(self._context, pairs / tokens)
-        tt, tp, pp, ty, py = f
+        n, st, _, tt, _, _ = self._xx
+        # c only where step sizes differ enough to tell it from the per-token price (a spread of
+        # 255- and 256-token steps determines it on paper and extrapolates it anywhere).
+        spread = n * tt - st * st >= (self.SIZE_SPREAD * st) ** 2
+        full = _solve3(tuple(self._xx), (self._xy[0], self._xy[1], self._xy[2])) if spread else None
+        if full is not None and min(full) >= 0 and full[1] > 0:
+            self._pair_price = (full[0], full[1] / 1e3, full[2] / 1e6)
+            return
+        _, _, _, tt, tp, pp = self._xx
+        _, ty, py = self._xy
         det = tt * pp - tp * tp
         if det <= 1e-6 * tt * pp:  # every step had the same context per token: b is not determined
             return
         a, b = (ty * pp - py * tp) / det, (py * tt - ty * tp) / det
-        self._pair_price = (a, b) if a > 0 and b >= 0 else self._pair_price
+        if a > 0 and b >= 0:
+            self._pair_price = (0.0, a / 1e3, b / 1e6)
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -307,9 +327,15 @@ class StepTimer:
         """(seconds of a decode-only step, seconds per prompt token at the context prompts attend to
         now); zeros until measured."""
         if self._pair_price is not None and self._context is not None:
-            a, b = self._pair_price
+            _, a, b = self._pair_price
             return self._decode_step_s or 0.0, a + b * self._context
         return self._decode_step_s or 0.0, self._per_token_s or 0.0
+
+    def prompt_step_s(self) -> float:
+        """Seconds a step that carries prompt tokens costs beyond a decode step before its first
+        prompt token (the fit's c; 0 until determined): with `coefficients`, a step of n prompt
+        tokens costs decode step + this + n x the price per token."""
+        return self._pair_price[0] if self._pair_price is not None else 0.0
 
     def recent_step_s(self) -> float:
         """Seconds of a step as steps run now, prompt chunks and all: what a running stream waits per
@@ -327,7 +353,9 @@ class StepTimer:
         the step's size, so fewer, longer steps save only their fixed parts. `pairs`: the tokens'
         query-key pairs (`prompt_pairs`), the same however the prompt is chunked, priced by the pair
         fit once it is determined; None prices them at the context prompts attend to now. Each step
-        also waits the idle gap recorded before chunks (`record_gap`; 0 for the engine's steps)."""
+        also waits the idle gap recorded before chunks (`record_gap`; 0 for the engine's steps) and
+        pays the fixed cost of a step with prompt tokens (`prompt_step_s`), so thin chunks cost more
+        than one long step."""
         step_s, per_token = self.coefficients()
         step_s += self.gap_s()
         per_step = per_step_tokens or self.budget_tokens
@@ -335,9 +363,11 @@ class StepTimer:
             per_step = min(per_step, self.budget_tokens - running)
         per_step = max(per_step, 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
-        if pairs is not None and self._pair_price is not None:
-            a, b = self._pair_price
-            return steps * step_s + tokens * a + pairs * b
+        if self._pair_price is not None:
+            c, a, b = self._pair_price
+            if pairs is not None:
+                return steps * (step_s + c) + tokens * a + pairs * b
+            return steps * (step_s + c) + tokens * per_token
         return steps * step_s + tokens * per_token
 
 

@@ -236,6 +236,7 @@ class WaitModel:
         mine = rules.rank(newcomer, now)
         place = sum(1 for r in ranks if r < mine)
         step_fixed, per_token = self.timer.coefficients()
+        prompt_fixed = self.timer.prompt_step_s()
         lane, cap = snapshot.lane, snapshot.prefill_cap
 
         # Prompts admitted after the newcomer keep its future steps beside prompt work for a share
@@ -258,7 +259,8 @@ class WaitModel:
             if lane:
                 return decode.estimate_s(rows, context, busy) or 0.0
             # No lane: prompt chunks share the steps, up to the prefill cap each.
-            return (decode.estimate_s(rows, context, False) or 0.0) + (per_token * cap if busy else 0.0)
+            prompt_s = prompt_fixed + per_token * cap if busy else 0.0
+            return (decode.estimate_s(rows, context, False) or 0.0) + prompt_s
 
         def step_s(rows: int, context: int, busy: bool) -> float:
             if busy or share == 0.0:
