@@ -20,7 +20,7 @@ from tailserve.engine.policy import (
 )
 from tailserve.engine.request import Request, RequestTimings, SamplingParams, SloTarget
 from tailserve.engine.scheduler import Scheduler
-from tailserve.engine.stats import DecodeTimer, StepTimer
+from tailserve.engine.stats import DecodeTimer, StepTimer, prompt_pairs
 from tailserve.engine.tpot_model import Stream
 from tailserve.engine.wait_model import NEWCOMER_SEQ_NO, QueueSnapshot, WaitModel, tokens_ahead
 
@@ -32,6 +32,13 @@ SLO_TTFT_S = 0.55
 class _Plan:
     num_tokens: int
     num_prefill_tokens: int
+
+
+@dataclass
+class _PairsPlan:
+    num_tokens: int
+    num_prefill_tokens: int
+    prompt_pairs: int
 
 
 def _request(name: str, tokens: int, age_s: float, seq_no: int, ttft_s: float | None = None) -> Request:
@@ -103,6 +110,51 @@ def test_prompts_beside_decoding_streams_are_priced_at_the_lane_s_speed_an_idle_
     # Without a lane the chunks go in the steps, beside the decodes, at the steps' price.
     plain = WaitModel(policy, steps, 5.0)
     assert plain.estimate_s(1000, busy, NOW) == pytest.approx(4 * 0.010 + 1000 * 0.0002)
+
+
+def test_prompts_beside_streams_are_priced_at_the_cap_the_streams_keep_after_their_banked_room() -> None:
+    """Without a lane, prompt chunks share the steps with the decodes, capped by the streams' TPOT
+    room; a stream that has been fast lends banked room, which a few long steps spend, and the
+    steps after carry what a step of its TPOT target leaves (`steady_cap`). A newcomer beside
+    streams, and one behind a prompt that becomes a stream before its own turn (on an idle engine),
+    is priced at that steady cap, not at the cap of the step running now: on the Zen 3 kind,
+    256-token prompts priced at the step's cap ran up to 1.6x their price. (Steps: 10 ms a decode
+    step, 60 ms more with prompt tokens, 0.5 ms a prompt token; TPOT target 100 ms: a steady step
+    carries 60 tokens, the floor 64.)"""
+    steps = StepTimer(budget_tokens=256)
+    steps.record(_Plan(2, 0), 0.010)
+    for tokens, start in ((256, 0), (64, 0), (64, 64), (256, 0), (128, 128), (64, 192)):
+        pairs = prompt_pairs(tokens, start)
+        steps.record(_PairsPlan(tokens, tokens, pairs), 0.010 + 0.060 + 0.0005 * tokens + 1e-7 * pairs)
+    assert steps.prompt_step_s() == pytest.approx(0.060)
+    config = SchedulerConfig(slo_ttft_s=5.0, slo_tpot_s=0.100, prefill_lane=False)
+    policy = SloPolicy(config, steps, block_size=16)
+    steady = policy.steady_cap([], 256)
+    assert steady == 64  # (100 - 10 - 60) / 0.5 = 60 tokens, under the floor of a quarter of 256
+    scheduler = Scheduler(config, KVCacheManager(200, 16, enable_prefix_caching=False), steps)
+    assert scheduler.queue_snapshot(NOW).steady_cap == steady
+    model = WaitModel(policy, steps, 5.0)
+    stream = Stream(0.100, 20, 300)
+    busy = QueueSnapshot(pending=[], num_running=1, prefill_cap=200, steady_cap=steady, streams=(stream,))
+    prompt_s = 256 * 0.0005 + 1e-7 * prompt_pairs(256, 0)
+    assert model.estimate_s(256, busy, NOW) == pytest.approx(4 * 0.070 + prompt_s)
+    banked = dataclasses.replace(busy, steady_cap=0)  # priced at the step's cap alone: two steps
+    assert model.estimate_s(256, banked, NOW) == pytest.approx(2 * 0.070 + prompt_s)
+    # On an idle engine, the prompt ahead takes one long step, then decodes beside the newcomer's.
+    ahead = PrefillItem(256, NOW + 5.0, 5.0, 0)
+    idle = QueueSnapshot(
+        pending=[ahead], num_running=1, prefill_cap=256, steady_cap=steady, idle_step_tokens=2048
+    )
+    assert model.estimate_s(256, idle, NOW) == pytest.approx(0.070 + 4 * 0.070 + 2 * prompt_s)
+    alone = dataclasses.replace(idle, pending=[], num_running=0)  # nothing ahead: one step of its own
+    assert model.estimate_s(256, alone, NOW) == pytest.approx(0.070 + prompt_s)
+    laned = Scheduler(
+        dataclasses.replace(config, prefill_lane=True),
+        KVCacheManager(200, 16, enable_prefix_caching=False),
+        steps,
+    )
+    laned.lane = True
+    assert laned.queue_snapshot(NOW).steady_cap == 0  # lane chunks are not capped by the streams
 
 
 def test_the_lane_s_idle_gap_before_each_chunk_is_part_of_a_prompt_s_price() -> None:

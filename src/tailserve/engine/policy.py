@@ -67,6 +67,8 @@ class SchedulePolicy(Protocol):
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int: ...
 
+    def steady_cap(self, decodes: Sequence[Request], budget: int) -> int: ...
+
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int: ...
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request: ...
@@ -100,6 +102,9 @@ class FcfsPolicy:
         return PrefillRank(False, 0, 0.0, item.seq_no)  # arrival order only: no request is set aside
 
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
+        return budget
+
+    def steady_cap(self, decodes: Sequence[Request], budget: int) -> int:
         return budget
 
     def past_saving_reserve(self, left: int, step_no: int = 1) -> int:
@@ -177,10 +182,25 @@ class SloPolicy:
     def prefill_cap(self, decodes: Sequence[Request], budget: int, now: float) -> int:
         if not decodes:
             return budget  # no stream to protect
+        return self._cap_for(self.step_budget_s(decodes, now), budget)
+
+    def steady_cap(self, decodes: Sequence[Request], budget: int) -> int:
+        """The cap once the streams' banked room is spent: a step as long as the tightest TPOT
+        target among `decodes` (--slo-tpot where none decode: the first prompt done becomes a
+        stream). What prompt work beside streams gets step after step, for the wait model: the cap
+        of the step running now lends room that a few long steps use up (served on the Zen 3 kind,
+        256-token prompts priced at it ran up to 1.6x their price beside decodes)."""
+        tpot = min(
+            (tpot_target_s(r.slo, self.config.slo_tpot_s) for r in decodes), default=self.config.slo_tpot_s
+        )
+        return self._cap_for(tpot, budget)
+
+    def _cap_for(self, step_s: float, budget: int) -> int:
+        """Prompt tokens a step of at most `step_s` seconds carries beside its decodes, at least the floor."""
         decode_step_s, per_token = self.timer.coefficients()
         if per_token <= 0:
             return budget  # no timing yet
-        room = (self.step_budget_s(decodes, now) - decode_step_s - self.timer.prompt_step_s()) / per_token
+        room = (step_s - decode_step_s - self.timer.prompt_step_s()) / per_token
         # Prefill always keeps a share of the budget: when decodes alone already miss the TPOT
         # target, starving prompts would not save the streams and would wreck TTFT.
         floor = max(self.min_chunk, int(budget * self.config.prefill_floor))

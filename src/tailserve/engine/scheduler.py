@@ -444,6 +444,7 @@ class Scheduler:
             pending=pending,
             num_running=len(self.running),
             prefill_cap=self.policy.prefill_cap([] if self.lane else decoding, budget, now),
+            steady_cap=0 if self.lane else self.policy.steady_cap(decoding, budget),
             running_prefills=running_prefills,
             slots_free_steps=tuple(sorted(self._steps_left(r) for r in self.running)),
             max_num_seqs=self.config.max_num_seqs,

@@ -46,6 +46,9 @@ class QueueSnapshot:
     pending: list[PrefillItem]
     num_running: int
     prefill_cap: int
+    # The cap once the streams' banked room is spent (SchedulePolicy.steady_cap; 0: none, as with a
+    # lane): what prompts beside streams get after the first steps.
+    steady_cap: int = 0
     # Sequence slots: a newcomer also waits for one once the batch is full (max_num_seqs). Of
     # `pending`, `running_prefills` already hold a slot; `slots_free_steps` is, per running request,
     # the decode steps until it is expected to end, ascending; max_num_seqs 0: no slot limit known.
@@ -159,6 +162,10 @@ class WaitModel:
         before = work_ahead(rules, pending, newcomer, now)
         mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
         per_step, idle_step = snapshot.prefill_cap, snapshot.idle_step_tokens
+        if snapshot.steady_cap and (snapshot.streams or before):
+            # Beside streams (those decoding now, and the prompts ahead once done) the room the
+            # streams banked goes in the first long steps; the steps after get the steady cap.
+            per_step = min(per_step, snapshot.steady_cap)
         if not mine.past_saving and any(r.past_saving for r in ranks):
             # The late ones keep their reserve, of a longer step too.
             per_step = savable_tokens_per_step(rules, per_step)
