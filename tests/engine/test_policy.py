@@ -27,6 +27,15 @@ class _Plan:
 
 
 @dataclass
+class _PairsPlan:
+    """A step as the step timer reads it, with its prompt tokens' query-key pairs."""
+
+    num_tokens: int
+    num_prefill_tokens: int
+    prompt_pairs: int | None
+
+
+@dataclass
 class StepLog:
     num_decodes: int
     prefill_tokens: int
@@ -255,23 +264,17 @@ def test_step_timer_prices_the_context_a_prompt_attends_to() -> None:
     price per token and one per query-key pair, and a long prompt is predicted within 3%, where a
     single price per token (what the timer falls back to) is off by more than 15%."""
 
-    @dataclass
-    class Plan:
-        num_tokens: int
-        num_prefill_tokens: int
-        prompt_pairs: int | None
-
     def cost_s(decodes: int, prompt: int, pairs: int) -> float:
         return 0.009 + 0.0005 * decodes + 0.0003 * prompt + 0.3e-6 * pairs
 
     timer, single = StepTimer(budget_tokens=256), StepTimer(budget_tokens=256)
     running = 4
     for t in (timer, single):
-        t.record(Plan(running, 0, 0), cost_s(running, 0, 0))
+        t.record(_PairsPlan(running, 0, 0), cost_s(running, 0, 0))
     for start in (0, 256, 0, 512, 768, 0, 256, 1024, 0, 512, 1280, 0):
         pairs = prompt_pairs(256, start)
-        timer.record(Plan(running + 256, 256, pairs), cost_s(running, 256, pairs))
-        single.record(Plan(running + 256, 256, None), cost_s(running, 256, pairs))
+        timer.record(_PairsPlan(running + 256, 256, pairs), cost_s(running, 256, pairs))
+        single.record(_PairsPlan(running + 256, 256, None), cost_s(running, 256, pairs))
     tokens = 2048
     truth = sum(cost_s(running, 256, prompt_pairs(256, s)) for s in range(0, tokens, 256))
     predicted = timer.estimate_s(tokens, running, 256, prompt_pairs(tokens, 0))
@@ -287,30 +290,24 @@ def test_step_timer_charges_thin_chunks_the_fixed_cost_of_each_prompt_step() -> 
     in 64-token chunks is priced four fixed costs, within 3%, where a fit without it is off by more
     than 15%, and the prefill cap leaves the fixed cost out of the room it gives prompt tokens."""
 
-    @dataclass
-    class Plan:
-        num_tokens: int
-        num_prefill_tokens: int
-        prompt_pairs: int | None
-
     def cost_s(decodes: int, prompt: int, pairs: int) -> float:
         return 0.014 + 0.0005 * decodes + (0.060 + 0.002 * prompt + 0.1e-6 * pairs if prompt else 0.0)
 
     timer = StepTimer(budget_tokens=256)
-    timer.record(Plan(2, 0, 0), cost_s(2, 0, 0))
+    timer.record(_PairsPlan(2, 0, 0), cost_s(2, 0, 0))
     for size, start in ((256, 0), (64, 0), (64, 64), (256, 0), (64, 128), (64, 192), (64, 0), (256, 0)):
         pairs = prompt_pairs(size, start)
-        timer.record(Plan(2 + size, size, pairs), cost_s(2, size, pairs))
+        timer.record(_PairsPlan(2 + size, size, pairs), cost_s(2, size, pairs))
     assert abs(timer.prompt_step_s() - 0.060) < 0.005
     truth = sum(cost_s(2, 64, prompt_pairs(64, s)) for s in range(0, 256, 64))
     predicted = timer.estimate_s(256, 2, 64, prompt_pairs(256, 0))
     assert abs(predicted - truth) / truth < 0.03
 
     without = StepTimer(budget_tokens=256)  # the same steps, all one size: no fixed cost is fitted
-    without.record(Plan(2, 0, 0), cost_s(2, 0, 0))
+    without.record(_PairsPlan(2, 0, 0), cost_s(2, 0, 0))
     for start in (0, 64, 128, 0, 192, 64, 0, 128):
         pairs = prompt_pairs(256, start)
-        without.record(Plan(2 + 256, 256, pairs), cost_s(2, 256, pairs))
+        without.record(_PairsPlan(2 + 256, 256, pairs), cost_s(2, 256, pairs))
     assert without.prompt_step_s() == 0.0
     flat = without.estimate_s(256, 2, 64, prompt_pairs(256, 0))
     assert abs(flat - truth) / truth > 0.15
