@@ -303,7 +303,7 @@ class StepTimer:
         self._xx = [keep * s + v for s, v in zip(self._xx, products, strict=True)]
         self._xy = [keep * s + xi * own for s, xi in zip(self._xy, x, strict=True)]
         self._context = self._ewma(self._context, pairs / tokens)
-        n, st, _, tt, _, _ = self._xx
+        n, st, _, tt, tp, pp = self._xx
         # c only where step sizes differ enough to tell it from the per-token price (a spread of
         # 255- and 256-token steps determines it on paper and extrapolates it anywhere).
         spread = n * tt - st * st >= (self.SIZE_SPREAD * st) ** 2
@@ -311,7 +311,6 @@ class StepTimer:
         if full is not None and min(full) >= 0 and full[1] > 0:
             self._pair_price = (full[0], full[1] / 1e3, full[2] / 1e6)
             return
-        _, _, _, tt, tp, pp = self._xx
         _, ty, py = self._xy
         det = tt * pp - tp * tp
         if det <= 1e-6 * tt * pp:  # every step had the same context per token: b is not determined
@@ -357,17 +356,15 @@ class StepTimer:
         pays the fixed cost of a step with prompt tokens (`prompt_step_s`), so thin chunks cost more
         than one long step."""
         step_s, per_token = self.coefficients()
-        step_s += self.gap_s()
+        step_s += self.gap_s() + self.prompt_step_s()
         per_step = per_step_tokens or self.budget_tokens
         if running:
             per_step = min(per_step, self.budget_tokens - running)
         per_step = max(per_step, 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
-        if self._pair_price is not None:
-            c, a, b = self._pair_price
-            if pairs is not None:
-                return steps * (step_s + c) + tokens * a + pairs * b
-            return steps * (step_s + c) + tokens * per_token
+        if pairs is not None and self._pair_price is not None:
+            _, a, b = self._pair_price
+            return steps * step_s + tokens * a + pairs * b
         return steps * step_s + tokens * per_token
 
 
