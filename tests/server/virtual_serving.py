@@ -11,6 +11,7 @@ Nothing here reads a wall clock, so tests can assert what admission promised aga
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -122,6 +123,7 @@ class VirtualServer:
         self.admission = Admission(view, WaitCorrection(enabled=correction, clock=self.clock))  # type: ignore[arg-type]
         self.admission.ready = True
         self._live: dict[str, tuple[Request, Outcome, Ticket]] = {}
+        self._step_began: float | None = None  # the step running now, while one does
         self._seq = 0
 
     def warm(self, prompt_tokens: int = 256) -> None:
@@ -145,10 +147,13 @@ class VirtualServer:
             seconds = self.cost(plan)
             end = self.clock.now + seconds
             # The server admits on its own thread while a step runs: a request arriving meanwhile
-            # is priced at its arrival, against the queue as it stands until the step ends.
+            # is priced at its arrival, against the queue as it stands until the step ends, and
+            # the snapshot the engine published as the step began.
+            self._step_began = self.clock.now
             while pending and pending[0][0] < end:
                 self.clock.now = max(self.clock.now, pending[0][0])
                 outcomes.append(self._offer(*pending.pop(0)))
+            self._step_began = None
             self.clock.now = end
             self.timer.record(plan, seconds)
             if plan.num_prefill_tokens == 0:
@@ -160,7 +165,10 @@ class VirtualServer:
     def _offer(self, arrival: float, prompt: int, output: int) -> Outcome:
         outcome = Outcome(arrival, prompt, output)
         ttft_s = ttft_target_s(None, self.config.slo_ttft_s)
-        snapshot = self.scheduler.queue_snapshot(self.clock.now)
+        # Between steps the newcomer joins the next plan; during one, it waits for what is left of it.
+        snapshot = dataclasses.replace(
+            self.scheduler.queue_snapshot(self.clock.now), step_began=self._step_began
+        )
         wait = self.wait_model.estimate(prompt, snapshot, self.clock.now, ttft_s)
         params = SamplingParams(max_tokens=output, ignore_eos=True)
         tpot = None

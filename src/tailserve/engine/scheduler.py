@@ -454,7 +454,16 @@ class Scheduler:
             pending_streams=tuple(self._stream(r) for r in prefilling),
             recent_prompts=self._recent_prompts(now),
             recent_window_s=self.ARRIVALS_WINDOW_S,
+            step_began=now if self._step_follows(now, bool(decoding)) else None,
         )
+
+    def _step_follows(self, now: float, decoding: bool) -> bool:
+        """Whether the engine starts a step as it takes the snapshot (it publishes one between
+        steps): it has work it may run now. Not where the prefill lane computes prompts beside the
+        decodes: its chunk runs apart from the steps."""
+        if self.lane and decoding:
+            return False
+        return bool(self.running) or any(r.not_before <= now for r in self.waiting)
 
     def _recent_prompts(self, now: float) -> tuple[int, ...]:
         """Prompt tokens to compute of the requests added in the last ARRIVALS_WINDOW_S."""

@@ -342,7 +342,12 @@ class StepTimer:
         return max(self._any_step_s or 0.0, self._decode_step_s or 0.0)
 
     def estimate_s(
-        self, tokens: int, running: int, per_step_tokens: int | None = None, pairs: int | None = None
+        self,
+        tokens: int,
+        running: int,
+        per_step_tokens: int | None = None,
+        pairs: int | None = None,
+        full_last_step: bool = False,
     ) -> float:
         """Seconds to push `tokens` prompt tokens through steps that also carry `running` decodes:
         each step costs a decode step (its fixed part) plus its prompt tokens at their price.
@@ -354,7 +359,8 @@ class StepTimer:
         fit once it is determined; None prices them at the context prompts attend to now. Each step
         also waits the idle gap recorded before chunks (`record_gap`; 0 for the engine's steps) and
         pays the fixed cost of a step with prompt tokens (`prompt_step_s`), so thin chunks cost more
-        than one long step."""
+        than one long step. `full_last_step`: the last step is priced full as well, since the
+        planner fills the room it leaves with the prompts behind (those admitted meanwhile too)."""
         step_s, per_token = self.coefficients()
         step_s += self.gap_s() + self.prompt_step_s()
         per_step = per_step_tokens or self.budget_tokens
@@ -362,10 +368,11 @@ class StepTimer:
             per_step = min(per_step, self.budget_tokens - running)
         per_step = max(per_step, 1)
         steps = math.ceil(tokens / per_step) if tokens > 0 else 0
+        fill = steps * per_step - tokens if full_last_step else 0  # tokens of others in its last step
         if pairs is not None and self._pair_price is not None:
             _, a, b = self._pair_price
-            return steps * step_s + tokens * a + pairs * b
-        return steps * step_s + tokens * per_token
+            return steps * step_s + (tokens + fill) * a + pairs * b
+        return steps * step_s + (tokens + fill) * per_token
 
 
 def prompt_pairs(tokens: int, start: int) -> int:

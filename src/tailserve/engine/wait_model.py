@@ -68,6 +68,10 @@ class QueueSnapshot:
     # prompt work that keeps arriving while the streams decode (WaitModel.arrivals_share).
     recent_prompts: tuple[int, ...] = ()
     recent_window_s: float = 0.0
+    # When the step that follows the snapshot began (it is taken as the engine starts that step):
+    # a newcomer priced later finds it part done. None: no step follows (nothing to run), or the
+    # prefill lane computes prompts apart from the steps.
+    step_began: float | None = None
 
 
 def unseen_item(tokens: int, arrival: float, ttft_s: float) -> PrefillItem:
@@ -109,6 +113,14 @@ class Wait(NamedTuple):
     def queued(self) -> bool:
         """Whether any work is predicted ahead of it (else it starts with the next step)."""
         return self.ttft_s > self.alone_s
+
+
+class StepNow(NamedTuple):
+    """The step the engine runs as a newcomer is priced (`WaitModel._step_now`)."""
+
+    seconds: float  # its predicted length (0: no step runs, or none is known)
+    ahead: bool  # it carries prompt work the planner puts ahead of the newcomer
+    stream_after: bool  # an idle step that ends a prompt behind the newcomer: it decodes after it
 
 
 class WaitModel:
@@ -162,7 +174,10 @@ class WaitModel:
         before = work_ahead(rules, pending, newcomer, now)
         mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
         per_step, idle_step = snapshot.prefill_cap, snapshot.idle_step_tokens
-        if snapshot.steady_cap and (snapshot.streams or before):
+        step_now = self._step_now(snapshot, newcomer, now)
+        if step_now.stream_after:  # the prompt in the idle step running now decodes after it
+            idle_step = 0
+        if snapshot.steady_cap and (snapshot.streams or before or step_now.stream_after):
             # Beside streams (those decoding now, and the prompts ahead once done) the room the
             # streams banked goes in the first long steps; the steps after get the steady cap.
             per_step = min(per_step, snapshot.steady_cap)
@@ -177,11 +192,14 @@ class WaitModel:
         # Behind the first prompt (it decodes once its prompt is done) they go beside decodes: on the
         # lane, if the engine has one, whose chunks carry no decode row.
         chunks, on_lane = self._chunk_timer(snapshot)
-        rows = 0 if on_lane else snapshot.num_running
+        rows = 0 if on_lane else max(snapshot.num_running, int(step_now.stream_after))
+        # Chunked, the newcomer's last step carries whatever prompts are behind it by then, up to the
+        # step's room: its first token comes at that step's end (a burst of 600-token prompts in
+        # 255-token chunks, each ended in a step shared with the next: 10% over the price).
         if idle_step:
             own_s = self.timer.estimate_s(num_prompt_tokens, 0, idle_step, own_pairs)
         else:
-            own_s = chunks.estimate_s(num_prompt_tokens, rows, per_step, own_pairs)
+            own_s = chunks.estimate_s(num_prompt_tokens, rows, per_step, own_pairs, full_last_step=True)
         prefill_s = own_s
         if before:
             head_s, rest = 0.0, before
@@ -192,14 +210,55 @@ class WaitModel:
                 head_s = self.timer.estimate_s(head.tokens, 0, idle_step, head_pairs)
             pairs = own_pairs + sum(prompt_pairs(p.tokens, p.start) for p in rest)
             tokens = sum(p.tokens for p in rest) + num_prompt_tokens
-            prefill_s = head_s + chunks.estimate_s(tokens, rows, per_step, pairs)
+            prefill_s = head_s + chunks.estimate_s(tokens, rows, per_step, pairs, full_last_step=True)
+        # The step running now began as the snapshot was taken: what it carries ahead of the
+        # newcomer is part done; a step of decodes, or of a prompt behind it, the newcomer waits out
+        # before its own first step (alone too: no admission could start it sooner).
+        alone_s, since_s = own_s, 0.0
+        if step_now.seconds > 0:
+            assert snapshot.step_began is not None
+            since_s = max(now - snapshot.step_began, 0.0)
+            if step_now.ahead:
+                prefill_s = max(prefill_s - min(since_s, step_now.seconds), own_s)
+            else:
+                left_s = max(step_now.seconds - since_s, 0.0)
+                prefill_s, alone_s = prefill_s + left_s, own_s + left_s
         if snapshot.num_running + len(pending) < snapshot.max_num_seqs:
-            return Wait(prefill_s, own_s)  # room in the batch for everyone queued and the newcomer
+            return Wait(prefill_s, alone_s)  # room in the batch for everyone queued and the newcomer
         # Ahead of it for a slot: what the policy prefills first, and late requests (the next free
-        # slot is theirs).
+        # slot is theirs). The steps until one frees count from the snapshot.
         queued = sum(1 for r in ranks if r < mine or r.past_saving)
         slot_s = self._slot_wait_s(snapshot, max(queued - snapshot.running_prefills, 0))
-        return Wait(max(prefill_s, slot_s + own_s), own_s)
+        return Wait(max(prefill_s, max(slot_s - since_s, 0.0) + own_s), alone_s)
+
+    def _step_now(self, snapshot: QueueSnapshot, newcomer: PrefillItem, now: float) -> StepNow:
+        """The step the engine runs now, as planned from the snapshot: on an idle engine, the first
+        prompt in line for up to the idle budget's tokens; else the decodes and up to the prefill
+        cap of the queued prompts, first in line first. Requests handed over since the snapshot are
+        not in it."""
+        if snapshot.step_began is None:
+            return StepNow(0.0, False, False)
+        rules = self.rules
+        seen = sorted(
+            (p for p in snapshot.pending if p.seq_no != UNSEEN_SEQ_NO), key=lambda p: rules.rank(p, now)
+        )
+        rows = len(snapshot.streams)
+        if not seen:
+            return StepNow(self.timer.coefficients()[0] if rows else 0.0, False, False)
+        head = seen[0]
+        ahead = rules.rank(head, now) < rules.rank(newcomer, now)
+        idle = snapshot.idle_step_tokens
+        if idle:
+            tokens = min(head.tokens, idle)
+            seconds = self.timer.estimate_s(tokens, 0, idle, prompt_pairs(tokens, head.start))
+            return StepNow(seconds, ahead, not ahead and tokens == head.tokens)
+        cap, tokens, pairs = max(snapshot.prefill_cap, 1), 0, 0
+        for p in seen:
+            take = min(p.tokens, cap - tokens)
+            tokens, pairs = tokens + take, pairs + prompt_pairs(take, p.start)
+            if tokens >= cap:
+                break
+        return StepNow(self.timer.estimate_s(tokens, rows, cap, pairs), ahead, False)
 
     def _slot_wait_s(self, snapshot: QueueSnapshot, queued_ahead: int) -> float:
         """Seconds until a sequence slot is free for a newcomer behind `queued_ahead` queued requests:
