@@ -174,7 +174,7 @@ class WaitModel:
         before = work_ahead(rules, pending, newcomer, now)
         mine, ranks = rules.rank(newcomer, now), [rules.rank(p, now) for p in pending]
         per_step, idle_step = snapshot.prefill_cap, snapshot.idle_step_tokens
-        step_now = self._step_now(snapshot, newcomer, now)
+        step_now = self._step_now(snapshot, ranks, mine)
         if step_now.stream_after:  # the prompt in the idle step running now decodes after it
             idle_step = 0
         if snapshot.steady_cap and (snapshot.streams or before or step_now.stream_after):
@@ -231,22 +231,23 @@ class WaitModel:
         slot_s = self._slot_wait_s(snapshot, max(queued - snapshot.running_prefills, 0))
         return Wait(max(prefill_s, max(slot_s - since_s, 0.0) + own_s), alone_s)
 
-    def _step_now(self, snapshot: QueueSnapshot, newcomer: PrefillItem, now: float) -> StepNow:
+    def _step_now(self, snapshot: QueueSnapshot, ranks: Sequence[PrefillRank], mine: PrefillRank) -> StepNow:
         """The step the engine runs now, as planned from the snapshot: on an idle engine, the first
         prompt in line for up to the idle budget's tokens; else the decodes and up to the prefill
         cap of the queued prompts, first in line first. Requests handed over since the snapshot are
-        not in it."""
+        not in it. `ranks`: the queued prompts' (`snapshot.pending`); `mine`: the newcomer's."""
         if snapshot.step_began is None:
             return StepNow(0.0, False, False)
-        rules = self.rules
-        seen = sorted(
-            (p for p in snapshot.pending if p.seq_no != UNSEEN_SEQ_NO), key=lambda p: rules.rank(p, now)
+        in_line = sorted(
+            ((r, p) for r, p in zip(ranks, snapshot.pending, strict=True) if p.seq_no != UNSEEN_SEQ_NO),
+            key=lambda rp: rp[0],
         )
+        seen = [p for _, p in in_line]
         rows = len(snapshot.streams)
         if not seen:
             return StepNow(self.timer.coefficients()[0] if rows else 0.0, False, False)
         head = seen[0]
-        ahead = rules.rank(head, now) < rules.rank(newcomer, now)
+        ahead = in_line[0][0] < mine
         idle = snapshot.idle_step_tokens
         if idle:
             tokens = min(head.tokens, idle)
