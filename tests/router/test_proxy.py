@@ -76,9 +76,13 @@ def test_failure_before_output_is_retried_elsewhere(
 ) -> None:
     bad = fakes[0]
     bad.behavior.mode = mode
-    # A replica taken out stays out for the test: its /ready is fine, and on a loaded machine the
-    # checks would otherwise put it back before the health gauge is read.
-    router = make_router([f.url for f in fakes], policy="round_robin", healthy_threshold=10_000)
+    # Health checks only at start (with room for a loaded machine): a replica taken out stays out for
+    # the test, and one in stays in. With checks every 0.2 s under a 0.5 s timeout, a loaded CI
+    # machine once took the bad replica out before round robin reached it (served 0 times), and
+    # its /ready is fine, so checks could also put a taken-out one back before the gauge is read.
+    router = make_router(
+        [f.url for f in fakes], policy="round_robin", health_interval_s=30.0, health_timeout_s=5.0
+    )
     body = {"model": "fake", "prompt": "p", "max_tokens": 2, "stream": stream}
     for _ in range(3):  # round robin reaches the bad replica at least once
         response = httpx.post(router.url + "/v1/completions", json=body, timeout=20)
