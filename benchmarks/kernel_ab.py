@@ -13,14 +13,18 @@ head, 576->49,152, apart) at a few rows, and first checks both builds give the s
 one. `--decode-attention` times a decode step's attention (`ts_paged_decode_attention`, the 30
 layers' own K/V pools in shuffled 16-slot blocks, --seqs sequences of --keys keys each) and first
 checks that each build is within bf16 of a float64 softmax attention (their bits may differ: the
-segmented kernel rounds in another order). The matmul and decode modes need AMX; the attention
-modes run anywhere (a build whose prompt kernel declines on this CPU is timed as served: each row a
-decode query). Never beside another measurement.
+segmented kernel rounds in another order). `--int8-dots` times the int8 dot-product matmul of
+decode rows on CPUs without bf16 arithmetic (`ts_q4a16_matmul`: int4 codes times int16-rounded
+activations, AVX512-VNNI or AVX2) on the 30 layers, once both builds give the same bits on every
+one. The matmul and decode modes need AMX; --int8-dots needs VNNI or AVX2; the attention modes run
+anywhere (a build whose prompt kernel declines on this CPU is timed as served: each row a decode
+query). Never beside another measurement.
 
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 2   # ~30 s
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --attention --rows 256 512 1600
     .venv/bin/python benchmarks/kernel_ab.py --base 1cc1238 --threads 1 --decode --rows 1 2 4 8
     .venv/bin/python benchmarks/kernel_ab.py --base b6a703b --decode-attention --seqs 1 2 3 --keys 2000
+    .venv/bin/python benchmarks/kernel_ab.py --base bd052ad --int8-dots --rows 1 2 4 8 16 32 64 256
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def build(source: Path, out: Path, need_amx: bool = True) -> ctypes.CDLL:
     lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     lib.ts_q8_matmul.argtypes = [_P, _I, _I, _P, _P, _I, _P]
     lib.ts_paged_decode_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, *[_I] * 5, ctypes.c_float]
+    lib.ts_q4a16_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _P]
     return lib
 
 
@@ -291,6 +296,72 @@ def decode_ab(libs: dict[str, ctypes.CDLL], rows_list: Sequence[int], repeats: i
         )
 
 
+def dots_weights(seed: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(k, n, codes, scale, min) of every matmul of every layer in ts_q4a16_matmul's layout: one
+    code (0 .. 15) a byte, [n / 16, k / 4, 16, 4]; scale and min float32 [n / 16, k / 32, 16]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(LAYERS):
+        for k, n in SHAPES:
+            codes = torch.randint(0, 16, (n * k,), dtype=torch.uint8, generator=g)
+            scale = torch.rand(n * k // 32, generator=g) * 0.02
+            out.append((k, n, codes, scale, -8 * scale))
+    return out
+
+
+def dots_s(
+    lib: ctypes.CDLL,
+    weights: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    x: dict[int, torch.Tensor],
+    y: torch.Tensor,
+    outputs: list[torch.Tensor] | None = None,
+) -> float:
+    """Seconds of ts_q4a16_matmul over `weights` (each output appended to `outputs` when given)."""
+    rows = x[576].shape[0]
+    start = time.perf_counter()
+    for k, n, codes, scale, low in weights:
+        ran = lib.ts_q4a16_matmul(
+            x[k].data_ptr(),
+            rows,
+            k,
+            codes.data_ptr(),
+            scale.data_ptr(),
+            low.data_ptr(),
+            None,
+            n,
+            y.data_ptr(),
+        )
+        if ran != 1:
+            raise SystemExit("the build has no int8 dot products here (neither AVX512-VNNI nor AVX2)")
+        if outputs is not None:
+            outputs.append(y.view(-1)[: rows * n].clone())
+    return time.perf_counter() - start
+
+
+def int8_dots_ab(libs: dict[str, ctypes.CDLL], rows_list: Sequence[int], repeats: int) -> None:
+    """Per row count: both builds' best 30 layers of ts_q4a16_matmul, after checking their bits agree."""
+    weights = dots_weights(0)
+    base, _ = libs
+    print(f"\n| rows | {base} ms | HEAD ms | HEAD / {base} |\n| ---: | ---: | ---: | ---: |")
+    for rows in rows_list:
+        x = {
+            k: (torch.randn(rows, k) * torch.rand(rows, k).pow(4) * 8).to(torch.bfloat16) for k in (576, 1536)
+        }
+        y = torch.empty(rows, 3072, dtype=torch.bfloat16)
+        outputs: dict[str, list[torch.Tensor]] = {name: [] for name in libs}
+        for name, lib in libs.items():
+            dots_s(lib, weights, x, y, outputs[name])
+        a, b = outputs.values()
+        if any(not torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(a, b, strict=True)):
+            raise SystemExit(f"{rows} rows: the two builds' outputs differ")
+        best = dict.fromkeys(libs, float("inf"))
+        for r in range(repeats):
+            for name in list(libs) if r % 2 else list(libs)[::-1]:
+                best[name] = min(best[name], dots_s(libs[name], weights, x, y))
+        b_ms, h_ms = 1000 * best[base], 1000 * best["HEAD"]
+        print(f"| {rows} | {b_ms:.2f} | {h_ms:.2f} | {h_ms / b_ms:.3f} |", flush=True)
+
+
 @dataclass(frozen=True)
 class DecodeContexts:
     """A decode step's attention inputs: per layer its own K and V pool (so every layer's keys are
@@ -400,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--decode-attention", action="store_true", help="a decode step's attention, 30 layers"
     )
     parser.add_argument(
+        "--int8-dots", action="store_true", help="decode rows' int8 dot-product matmul (ts_q4a16_matmul)"
+    )
+    parser.add_argument(
         "--seqs", type=int, nargs="+", default=[1, 2, 3], help="--decode-attention: sequences"
     )
     parser.add_argument(
@@ -411,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_src = Path(tmp) / "base.c"
         show = ["git", "show", f"{args.base}:src/tailserve/kernels/cpu_kernels.c"]
         base_src.write_text(subprocess.run(show, cwd=ROOT, check=True, capture_output=True, text=True).stdout)
-        need_amx = not (args.attention or args.decode_attention)
+        need_amx = not (args.attention or args.decode_attention or args.int8_dots)
         libs = {
             args.base: build(base_src, Path(tmp) / "base.so", need_amx),
             "HEAD": build(cpu_kernels.SOURCE, Path(tmp) / "head.so", need_amx),
@@ -423,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" --attention --start {args.start}" if args.attention else ""
         )
         flags += " --decode" if args.decode else ""
+        flags += f" --int8-dots --rows {' '.join(map(str, args.rows))}" if args.int8_dots else ""
         if args.decode_attention:
             flags += f" --decode-attention --seqs {' '.join(map(str, args.seqs))} --keys {' '.join(map(str, args.keys))}"
         print(
@@ -430,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.decode:
             decode_ab(libs, args.rows, args.repeats)
+            return 0
+        if args.int8_dots:
+            int8_dots_ab(libs, args.rows, args.repeats)
             return 0
         if args.decode_attention:
             decode_attention_ab(libs, args.base, args.seqs, args.keys, args.repeats)

@@ -2596,6 +2596,61 @@ static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int6
     }
 }
 
+/* qa_block's A16 products in one pass over the codes: each k-quad's two code vectors meet both
+ * activation bytes of every row before the next quad loads, and the quad loop is not unrolled
+ * (unrolled, gcc spilled the accumulators of two passes to the stack). The same integer sums and
+ * float32 epilogue in the same order, so the same bits as qa_block; a decode step's 30 layers of
+ * int4a16 matmuls 0-20% faster (even at 1-4 rows, 10% at 8-32, 13-20% at 64-256; 2-vCPU Zen 3,
+ * 2 threads, 2026-12-08). MR at most 2: 4 int16 sums a row and h, 16 registers. */
+static inline __attribute__((always_inline)) void qa_block_a16(const qa_job *j, int64_t t, int64_t m, const int MR) {
+    const int64_t k = j->k, groups = j->groups, tile_bytes = (k / 4) * 64;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 out[2][2];
+    for (int i = 0; i < MR; i++) out[i][0] = out[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *w = j->w + t * tile_bytes + g * 8 * 64;
+        const int8_t *xh = j->xq + m * k + 32 * g, *xl = j->xlo + m * k + 32 * g;
+        __m256i hi[2][2], lo[2][2];
+        for (int i = 0; i < MR; i++) hi[i][0] = hi[i][1] = lo[i][0] = lo[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int c = 0; c < 8; c++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
+            for (int i = 0; i < MR; i++) {
+                int32_t qh, ql;
+                memcpy(&qh, xh + i * k + 4 * c, 4);
+                memcpy(&ql, xl + i * k + 4 * c, 4);
+                const __m256i bh = _mm256_set1_epi32(qh), bl = _mm256_set1_epi32(ql);
+                hi[i][0] = _mm256_add_epi16(hi[i][0], _mm256_maddubs_epi16(w0, bh));
+                hi[i][1] = _mm256_add_epi16(hi[i][1], _mm256_maddubs_epi16(w1, bh));
+                lo[i][0] = _mm256_add_epi16(lo[i][0], _mm256_maddubs_epi16(w0, bl));
+                lo[i][1] = _mm256_add_epi16(lo[i][1], _mm256_maddubs_epi16(w1, bl));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sc = _mm256_loadu_ps(j->scale + (t * groups + g) * 16 + 8 * h);
+            const __m256 mn = _mm256_loadu_ps(j->min + (t * groups + g) * 16 + 8 * h);
+            for (int i = 0; i < MR; i++) {
+                const __m256i acc = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[i][h], ones), 7),
+                                                     _mm256_madd_epi16(lo[i][h], ones));
+                const __m256 sd = _mm256_mul_ps(sc, _mm256_set1_ps(j->d[(m + i) * groups + g]));
+                out[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), sd, out[i][h]);
+                out[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(j->xsum[(m + i) * groups + g]), out[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        float y[16];
+        _mm256_storeu_ps(y, out[i][0]);
+        _mm256_storeu_ps(y + 8, out[i][1]);
+        const int64_t at = (m + i) * j->n_out + t * 16;
+        for (int n = 0; n < 16; n++) {
+            const float b = j->bias == NULL ? 0.0f : bf16_to_f32(j->bias[t * 16 + n]);
+            j->out[at + n] = f32_to_bf16(y[n] + b);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void qa_chunk_as(const qa_job *j, int64_t chunk, const int A16,
                                                               const int WIDE) {
     const int64_t tb = chunk % j->tile_blocks, rb = chunk / j->tile_blocks;
@@ -2603,6 +2658,11 @@ static inline __attribute__((always_inline)) void qa_chunk_as(const qa_job *j, i
     const int64_t m0 = rb * QA_ROWS, m1 = m0 + QA_ROWS < j->rows ? m0 + QA_ROWS : j->rows;
     for (int64_t t = t0; t < t1; t++) {
         int64_t m = m0;
+        if (A16) { /* never with out32 (the q8 head's float32 logits are WIDE, not A16) */
+            for (; m + 2 <= m1; m += 2) qa_block_a16(j, t, m, 2);
+            for (; m < m1; m++) qa_block_a16(j, t, m, 1);
+            continue;
+        }
         for (; m + 4 <= m1; m += 4) qa_block(j, t, m, 4, A16, WIDE);
         for (; m + 2 <= m1; m += 2) qa_block(j, t, m, 2, A16, WIDE);
         for (; m < m1; m++) qa_block(j, t, m, 1, A16, WIDE);
