@@ -11,10 +11,14 @@ from tailserve.router.app import create_app
 from tailserve.router.config import RouterConfig
 from tests.router.fake_replica import FakeBehavior, ThreadedServer, create_fake_app
 
-# Short intervals keep the tests quick; timing assertions derive their bounds from these.
+# Short intervals keep the tests quick; timing assertions derive their bounds from these. The check
+# timeout is long next to the interval: a fake answers /ready at once, so only a busy machine (CI's 2
+# cores under the suite) makes a check slow, and two slow checks in a row at 0.5 s took a healthy
+# replica out mid-test (seen once, 2026-12-07). No test waits on a check timing out: an unready fake
+# answers 503 and a stopped one refuses the connection, both at once.
 FAST = {
     "health_interval_s": 0.2,
-    "health_timeout_s": 0.5,
+    "health_timeout_s": 2.0,
     "unhealthy_threshold": 2,
     "healthy_threshold": 2,
     "load_interval_s": 0.1,
