@@ -230,12 +230,15 @@ def decode_s(
     x: dict[int, torch.Tensor],
     y: torch.Tensor,
     outputs: list[torch.Tensor] | None = None,
+    kernel: str = "ts_q4_matmul",
 ) -> float:
-    """Seconds of ts_q4_matmul over `weights` (each output appended to `outputs` when given)."""
+    """Seconds of `kernel` (ts_q4_matmul, or ts_q4a16_matmul over dots_weights) over `weights`
+    (each output appended to `outputs` when given)."""
     rows = x[576].shape[0]
+    matmul = getattr(lib, kernel)
     start = time.perf_counter()
     for k, n, packed, scale, low in weights:
-        lib.ts_q4_matmul(
+        matmul(
             x[k].data_ptr(),
             rows,
             k,
@@ -309,39 +312,15 @@ def dots_weights(seed: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, 
     return out
 
 
-def dots_s(
-    lib: ctypes.CDLL,
-    weights: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
-    x: dict[int, torch.Tensor],
-    y: torch.Tensor,
-    outputs: list[torch.Tensor] | None = None,
-) -> float:
-    """Seconds of ts_q4a16_matmul over `weights` (each output appended to `outputs` when given)."""
-    rows = x[576].shape[0]
-    start = time.perf_counter()
-    for k, n, codes, scale, low in weights:
-        ran = lib.ts_q4a16_matmul(
-            x[k].data_ptr(),
-            rows,
-            k,
-            codes.data_ptr(),
-            scale.data_ptr(),
-            low.data_ptr(),
-            None,
-            n,
-            y.data_ptr(),
-        )
-        if ran != 1:
-            raise SystemExit("the build has no int8 dot products here (neither AVX512-VNNI nor AVX2)")
-        if outputs is not None:
-            outputs.append(y.view(-1)[: rows * n].clone())
-    return time.perf_counter() - start
+DOTS = "ts_q4a16_matmul"
 
 
 def int8_dots_ab(libs: dict[str, ctypes.CDLL], rows_list: Sequence[int], repeats: int) -> None:
     """Per row count: both builds' best 30 layers of ts_q4a16_matmul, after checking their bits agree."""
     weights = dots_weights(0)
     base, _ = libs
+    if any(lib.ts_vnni() not in (1, 2) for lib in libs.values()):
+        raise SystemExit("the builds have no int8 dot products here (neither AVX512-VNNI nor AVX2)")
     print(f"\n| rows | {base} ms | HEAD ms | HEAD / {base} |\n| ---: | ---: | ---: | ---: |")
     for rows in rows_list:
         x = {
@@ -350,14 +329,14 @@ def int8_dots_ab(libs: dict[str, ctypes.CDLL], rows_list: Sequence[int], repeats
         y = torch.empty(rows, 3072, dtype=torch.bfloat16)
         outputs: dict[str, list[torch.Tensor]] = {name: [] for name in libs}
         for name, lib in libs.items():
-            dots_s(lib, weights, x, y, outputs[name])
+            decode_s(lib, weights, x, y, outputs[name], DOTS)
         a, b = outputs.values()
         if any(not torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(a, b, strict=True)):
             raise SystemExit(f"{rows} rows: the two builds' outputs differ")
         best = dict.fromkeys(libs, float("inf"))
         for r in range(repeats):
             for name in list(libs) if r % 2 else list(libs)[::-1]:
-                best[name] = min(best[name], dots_s(libs[name], weights, x, y))
+                best[name] = min(best[name], decode_s(libs[name], weights, x, y, kernel=DOTS))
         b_ms, h_ms = 1000 * best[base], 1000 * best["HEAD"]
         print(f"| {rows} | {b_ms:.2f} | {h_ms:.2f} | {h_ms / b_ms:.3f} |", flush=True)
 

@@ -2524,6 +2524,23 @@ static inline float qa_quant_group(const bf16 *src, float limit, int8_t *dst, in
     return top;
 }
 
+/* Rows m .. m + MR - 1 x tile t of the output from their float32 sums (out[i][h]: outputs 8h .. 8h +
+ * 7), plus the bias, into out (rounded to bf16) or out32 (as they are). */
+static inline __attribute__((always_inline)) void qa_store(const qa_job *j, __m256 out[][2], int64_t t, int64_t m,
+                                                           const int MR) {
+    for (int i = 0; i < MR; i++) {
+        float y[16];
+        _mm256_storeu_ps(y, out[i][0]);
+        _mm256_storeu_ps(y + 8, out[i][1]);
+        const int64_t at = (m + i) * j->n_out + t * 16;
+        for (int n = 0; n < 16; n++) {
+            const float b = j->bias == NULL ? 0.0f : bf16_to_f32(j->bias[t * 16 + n]);
+            if (j->out32 != NULL) j->out32[at + n] = y[n] + b;
+            else j->out[at + n] = f32_to_bf16(y[n] + b);
+        }
+    }
+}
+
 /* Group g of rows m .. m + MR - 1 x one 16-output tile (w its codes): acc[i][h] the exact int32 sums
  * of outputs 8h .. 8h + 7. NIB: 0 the codes as stored (0 .. 15), 1 their low nibble, 2 their high. */
 static inline __attribute__((always_inline)) void qa_pass(__m256i acc[4][2], const uint8_t *w, const int8_t *xg,
@@ -2583,17 +2600,7 @@ static inline __attribute__((always_inline)) void qa_block(const qa_job *j, int6
             }
         }
     }
-    for (int i = 0; i < MR; i++) {
-        float y[16];
-        _mm256_storeu_ps(y, out[i][0]);
-        _mm256_storeu_ps(y + 8, out[i][1]);
-        const int64_t at = (m + i) * j->n_out + t * 16;
-        for (int n = 0; n < 16; n++) {
-            const float b = j->bias == NULL ? 0.0f : bf16_to_f32(j->bias[t * 16 + n]);
-            if (j->out32 != NULL) j->out32[at + n] = y[n] + b;
-            else j->out[at + n] = f32_to_bf16(y[n] + b);
-        }
-    }
+    qa_store(j, out, t, m, MR);
 }
 
 /* qa_block's A16 products in one pass over the codes: each k-quad's two code vectors meet both
@@ -2639,16 +2646,7 @@ static inline __attribute__((always_inline)) void qa_block_a16(const qa_job *j, 
             }
         }
     }
-    for (int i = 0; i < MR; i++) {
-        float y[16];
-        _mm256_storeu_ps(y, out[i][0]);
-        _mm256_storeu_ps(y + 8, out[i][1]);
-        const int64_t at = (m + i) * j->n_out + t * 16;
-        for (int n = 0; n < 16; n++) {
-            const float b = j->bias == NULL ? 0.0f : bf16_to_f32(j->bias[t * 16 + n]);
-            j->out[at + n] = f32_to_bf16(y[n] + b);
-        }
-    }
+    qa_store(j, out, t, m, MR);
 }
 
 static inline __attribute__((always_inline)) void qa_chunk_as(const qa_job *j, int64_t chunk, const int A16,
